@@ -1,0 +1,234 @@
+"""What a plugin registers: backends, tasks, data formats, recorders, controllers, commands, config fields,
+probes and support-table entries (DESIGN.md §2, §4a).
+
+Everything here is import-light (no torch, no transformers): ``soup --help`` imports this module. Heavy
+work belongs inside methods, which import what they need when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+
+
+# --------------------------------------------------------------------------------------------- probes
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    reason: str = ""  # why it failed (empty when ok)
+    fix: str = ""  # the command or change that fixes it
+    detail: str = ""  # extra facts shown when ok (e.g. "device: cpu")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A capability check. ``deep=False`` probes run at every load and must not import heavy libraries
+    (use :mod:`soup_core.probes` helpers); ``deep=True`` probes may import and construct the real object,
+    and run before a run that uses the plugin and under ``soup plugins list --check``.
+
+    ``scope`` names the backend or task the probe gates (``"task:ppo"``, ``"backend:mlx"``); ``None``
+    gates the whole plugin.
+    """
+
+    name: str
+    check: Callable[[], ProbeResult]
+    deep: bool = False
+    scope: str | None = None
+
+
+# --------------------------------------------------------------------------------------- config fields
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """A config field a plugin adds, by full dotted path (``training.rewind_log``, ``data.forget``).
+
+    ``annotation`` is a type pydantic understands; ``default`` is used when the key is absent (use
+    ``REQUIRED`` for a field the user must set). ``observer=True`` marks a switch for a recorder: it is
+    never refused by the support table.
+    """
+
+    path: str
+    annotation: Any
+    default: Any = None
+    description: str = ""
+    observer: bool = False
+
+
+REQUIRED: Any = ...  # marker: a ConfigField with this default must be given
+
+
+@dataclass(frozen=True)
+class Support:
+    """One row of the support table: the ``fields`` the (``backend``, ``task``) pair honours.
+
+    Rows for the same pair from several plugins are merged (the streaming plugin adds its fields to
+    (transformers, sft)). A field set to a non-default value that the chosen pair does not honour is
+    refused at config time.
+    """
+
+    backend: str
+    task: str
+    fields: frozenset[str]
+
+
+# ------------------------------------------------------------------------------------------ data formats
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """A row format: how to recognise a raw record and turn it into a training example.
+
+    ``to_example`` returns the normalised example (a JSON-serialisable dict) or raises ``ValueError``
+    with a message saying what is wrong with the record. ``detect`` answers whether a record looks like
+    this format (used by ``data.format: auto``). Pure Python: runs without torch.
+    """
+
+    name: str
+    keys: tuple[str, ...]  # the keys that identify it, shown in messages
+    detect: Callable[[Mapping[str, Any]], bool]
+    to_example: Callable[[Mapping[str, Any]], dict[str, Any]]
+    description: str = ""
+    priority: int = 0  # higher is tried first by auto-detection
+
+
+# --------------------------------------------------------------------------------------- tasks, backends
+
+
+class Task:
+    """A training objective. Subclass, set the class attributes, and implement :meth:`build`.
+
+    - ``data_keys``: the config data paths the task reads (``data.train`` for sft).
+    - ``formats``: the data formats it accepts.
+    - ``capabilities``: what it offers other plugins (``per_row_losses``, ``streamable``, ...).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    data_keys: ClassVar[tuple[str, ...]] = ("data.train",)
+    formats: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def build(self, backend: Backend, context: Any) -> Any:  # pragma: no cover - interface
+        """Build the backend-specific trainer for this task. ``context`` is the backend's run context."""
+        raise NotImplementedError
+
+
+class Backend:
+    """A training engine. Subclass and implement :meth:`train`.
+
+    The backend must consume the core's row order (:func:`soup_core.data.micro_batches`) and feed the
+    run events to ``context.events``; it applies controller actions between optimizer steps.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def train(self, context: Any) -> Any:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class LoadedModel:
+    """What the model-loading hook returns: the model and tokenizer, and who loaded them."""
+
+    model: Any
+    tokenizer: Any
+    loaded_by: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PreflightReport:
+    """What a pre-flight hook returns: lines for the plan and, optionally, a refusal."""
+
+    title: str = ""
+    lines: list[str] = field(default_factory=list)
+    refusal: str | None = None  # a reason; the run is refused before data or a model are loaded
+    fix: str | None = None
+
+
+# ------------------------------------------------------------------------------- recorders, controllers
+
+
+class Recorder:
+    """An observer of a run. One instance is created per run (the class is registered).
+
+    Every method runs inside a guard: an exception is reported once, names the plugin, disables this
+    recorder, and the run goes on. A recorder must never change the run.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def on_run_start(self, event: RunStart) -> None:
+        """The run is set up; ``event`` carries its id, output dir, config, fingerprint and row count."""
+
+    def on_micro_batch(self, event: MicroBatch) -> None:
+        """One micro-batch's forward pass is done: its rows, each row's loss and supervised tokens."""
+
+    def on_optimizer_step(self, event: OptimizerStep) -> None:
+        """An optimizer step completed, with its measured metrics."""
+
+    def on_run_end(self, event: RunEnd) -> None:
+        """The run is over (on every exit path)."""
+
+
+@dataclass(frozen=True)
+class SetCoefficient:
+    """Controller action: set a named training coefficient (e.g. ``beta``) to ``value``."""
+
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Controller action: restore model and optimizer from ``checkpoint`` (None: the latest good one)."""
+
+    checkpoint: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Controller action: stop the run; the tracker row is marked ``stopped`` with ``reason``."""
+
+    reason: str
+
+
+ControllerAction = SetCoefficient | Rollback | Stop
+
+
+class Controller:
+    """Acts on a live run. One instance per run. Exceptions stop the run with the plugin named."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    tasks: ClassVar[tuple[str, ...]] = ()  # the tasks it acts on; empty means all
+
+    def on_run_start(self, event: RunStart) -> None:
+        """Called once before the first step."""
+
+    def on_step(self, event: OptimizerStep) -> Sequence[ControllerAction]:
+        """Called after every optimizer step; returns actions for the backend to apply (may be empty)."""
+        return ()
+
+
+# ------------------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class Command:
+    """A CLI command (``soup NAME``). ``target`` is a function (a single command) or a ``typer.Typer``
+    (a group). Its module must import light: heavy imports go inside the function body."""
+
+    name: str
+    target: Any
+    help: str = ""

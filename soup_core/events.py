@@ -1,0 +1,64 @@
+"""The events a run emits to recorders and controllers (DESIGN.md §4a).
+
+Plain frozen dataclasses, cheap to build and import: a backend constructs them, the core fans them out.
+Fields are only ever added, never renamed, so recorders written against an older core keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """A run has been set up and is about to take its first optimizer step."""
+
+    run_id: str
+    output_dir: str
+    config: Any  # the validated SoupConfig
+    fingerprint: str  # sha256 of the training rows (soup_core.data.fingerprint_rows)
+    n_rows: int
+    rank: int = 0
+    world_size: int = 1
+    resumed_from_step: int | None = None  # None for a fresh run
+    backend: str = ""
+    task: str = ""
+    batch_size: int = 1  # per-device micro-batch size
+    grad_accum: int = 1
+    packing: bool = False
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's forward pass: which rows it held and what each row's loss was.
+
+    ``row_loss[i]`` is the mean supervised-token loss of ``rows[i]`` (may be non-finite, passed through as
+    is); ``row_tokens[i]`` its supervised-token count (0 for a fully masked row, whose loss is then NaN).
+    """
+
+    step: int  # 1-based optimizer step this micro-batch belongs to (completed steps + 1)
+    micro: int  # 0-based index within that step
+    rows: tuple[int, ...]
+    row_loss: tuple[float, ...]
+    row_tokens: tuple[int, ...]
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """An optimizer step has completed; ``metrics`` holds only values that were really measured."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """The run is over. ``status`` is completed, failed, interrupted or stopped (by a controller)."""
+
+    status: str
+    error: str | None = None
+    rank: int = 0
+    steps: int = 0
