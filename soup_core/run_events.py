@@ -1,0 +1,95 @@
+"""Fans a run's events out to its recorders (guarded) and controllers (loud).
+
+A backend holds one :class:`RunEvents` per run and calls it; it never talks to recorders directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from soup_core.contracts import Controller, ControllerAction, Recorder
+from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+
+
+class ControllerError(RuntimeError):
+    """A controller raised: the run stops, naming the plugin."""
+
+
+@dataclass
+class _Observer:
+    recorder: Recorder
+    plugin: str
+    enabled: bool = True
+
+
+def _default_report(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunEvents:
+    """The per-run event fan-out. ``recorders``/``controllers`` are (instance, plugin name) pairs."""
+
+    recorders: list[tuple[Recorder, str]] = field(default_factory=list)
+    controllers: list[tuple[Controller, str]] = field(default_factory=list)
+    report: Callable[[str], None] = _default_report
+    trace: bool = field(default_factory=lambda: os.environ.get("SOUP_TRACE_HOOKS") == "1")
+
+    def __post_init__(self) -> None:
+        self._observers = [_Observer(rec, plugin) for rec, plugin in self.recorders]
+
+    @property
+    def has_recorders(self) -> bool:
+        """True while at least one recorder is still enabled (backends may skip per-row work if not)."""
+        return any(obs.enabled for obs in self._observers)
+
+    def _fan_out(self, method: str, event: Any) -> None:
+        for obs in self._observers:
+            if not obs.enabled:
+                continue
+            if self.trace:
+                self.report(f"[hook] {obs.plugin}:{type(obs.recorder).__name__}.{method}")
+            try:
+                getattr(obs.recorder, method)(event)
+            except Exception as exc:  # noqa: BLE001 - observers must never break training
+                obs.enabled = False
+                self.report(
+                    f"Recorder {obs.recorder.name!r} from plugin {obs.plugin!r} disabled: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+
+    def run_start(self, event: RunStart) -> None:
+        self._fan_out("on_run_start", event)
+        for controller, plugin in self.controllers:
+            self._call_controller(controller, plugin, "on_run_start", event)
+
+    def micro_batch(self, event: MicroBatch) -> None:
+        self._fan_out("on_micro_batch", event)
+
+    def optimizer_step(self, event: OptimizerStep) -> list[ControllerAction]:
+        """Report a finished step; returns the controllers' actions, in controller order."""
+        self._fan_out("on_optimizer_step", event)
+        actions: list[ControllerAction] = []
+        for controller, plugin in self.controllers:
+            result: Sequence[ControllerAction] | None = self._call_controller(
+                controller, plugin, "on_step", event
+            )
+            actions.extend(result or ())
+        return actions
+
+    def run_end(self, event: RunEnd) -> None:
+        self._fan_out("on_run_end", event)
+
+    def _call_controller(self, controller: Controller, plugin: str, method: str, event: Any) -> Any:
+        if self.trace:
+            self.report(f"[hook] {plugin}:{type(controller).__name__}.{method}")
+        try:
+            return getattr(controller, method)(event)
+        except Exception as exc:
+            raise ControllerError(
+                f"controller {controller.name!r} from plugin {plugin!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
