@@ -1,0 +1,1 @@
+"""The ``soup`` command line."""

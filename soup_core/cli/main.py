@@ -1,0 +1,133 @@
+"""The ``soup`` command: a typer app whose commands come from plugins (built-ins included).
+
+Start-up stays light: this module imports typer and the plugin manager only. Commands import what they
+need when they run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+# Plain click help and errors: typer's rich help pulls in rich.markdown and pygments (~0.1 s), a third
+# of the start-up budget. TYPER_USE_RICH=1 brings the rich help back.
+os.environ.setdefault("TYPER_USE_RICH", "0")
+
+import typer  # noqa: E402
+
+EXIT_CODES_HELP = (
+    "Exit codes: 0 success; 1 the command failed (bad config, bad data, run failed, nothing found); "
+    "2 usage error; 130 interrupted."
+)
+
+
+def _take_plugin_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Pull ``-p no:NAME`` / ``-p=no:NAME`` out of the global options (before the command name)."""
+    disabled: list[str] = []
+    rest: list[str] = []
+    i = 0
+    in_globals = True
+    while i < len(argv):
+        arg = argv[i]
+        if in_globals and arg in ("-p", "--plugin") and i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 2
+        elif in_globals and (arg.startswith("-p=") or arg.startswith("--plugin=")):
+            value = arg.split("=", 1)[1]
+            i += 1
+        else:
+            if not arg.startswith("-"):
+                in_globals = False
+            rest.append(arg)
+            i += 1
+            continue
+        if not value.startswith("no:") or not value[3:]:
+            raise typer.BadParameter(f"-p takes no:NAME to disable a plugin, got {value!r}")
+        disabled.append(value[3:])
+    return rest, disabled
+
+
+def _version_line() -> str:
+    from soup_core import __version__
+    from soup_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    parts = []
+    for info in plugins.plugins.values():
+        if info.builtin:
+            continue
+        mark = "" if info.status == "ok" else f" ({info.status})"
+        parts.append(f"{info.name} {info.version}{mark}")
+    return f"soup-core {__version__}\nplugins: {', '.join(parts) if parts else 'none'}"
+
+
+def build_app() -> typer.Typer:
+    """Build the typer app from the loaded plugin set's commands."""
+    from soup_core.plugins import load_plugins
+
+    app = typer.Typer(
+        name="soup",
+        help="Fine-tune and post-train language models from one YAML file and one command.\n\n"
+        + EXIT_CODES_HELP,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+    @app.callback()
+    def _globals(
+        version: bool = typer.Option(False, "--version", help="Print the core version and the plugins."),
+        plugin: list[str] = typer.Option(  # noqa: B006 - typer reads the default
+            [], "-p", "--plugin", metavar="no:NAME", help="Disable the plugin NAME for this command."
+        ),
+    ) -> None:
+        """Fine-tune and post-train language models from one YAML file and one command."""
+        if version:
+            typer.echo(_version_line())
+            raise typer.Exit(0)
+
+    plugins = load_plugins()
+    for name, command in plugins.commands.items():
+        target = command.target
+        if isinstance(target, typer.Typer):
+            app.add_typer(target, name=name, help=command.help or None)
+        else:
+            app.command(name=name, help=command.help or None)(target)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point."""
+    from soup_core.plugins import manager
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, disabled = _take_plugin_options(args)
+    except typer.BadParameter as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    manager.CLI_DISABLED[:] = disabled
+    if args and args[0] == "--version":
+        try:
+            print(_version_line())
+        except manager.PluginLoadError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        return
+    try:
+        app = build_app()
+    except manager.PluginLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    try:
+        app(args=args, prog_name="soup", standalone_mode=True)
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

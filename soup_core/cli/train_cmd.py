@@ -1,0 +1,118 @@
+"""``soup train``: validate, plan, and run one training run from a YAML config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+TRAIN_HELP = """Train from a YAML config (default: ./soup.yaml, as written by `soup init`).
+
+Order: validate the config → check plugins and probes → pre-flight → load and check the data →
+(--dry-run stops here and loads no model) → train, recording the run in the tracker.
+
+Exit codes: 0 trained (or the dry run passed); 1 bad config, bad data, a refused or failed run;
+2 usage error; 130 interrupted (the tracker row is marked interrupted)."""
+
+
+def _overrides(**flags: Any) -> dict[str, Any]:
+    paths = {
+        "lr": "training.learning_rate",
+        "epochs": "training.epochs",
+        "max_steps": "training.max_steps",
+        "batch_size": "training.batch_size",
+        "grad_accum": "training.gradient_accumulation_steps",
+        "output": "output",
+        "backend": "backend",
+        "experiment_name": "experiment_name",
+        "resume": "training.resume_from",
+        "base": "base",
+        "data": "data.train",
+        "seed": "training.seed",
+    }
+    return {paths[k]: v for k, v in flags.items() if v is not None}
+
+
+def train(
+    config: Path = typer.Option(Path("soup.yaml"), "--config", "-c", help="The YAML config to train from."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate config, plugins, probes and data; "
+                                 "print the plan; load no model."),
+    lr: float | None = typer.Option(None, "--lr", help="Override training.learning_rate."),
+    epochs: int | None = typer.Option(None, "--epochs", help="Override training.epochs."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Override training.max_steps."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Override training.batch_size."),
+    grad_accum: int | None = typer.Option(None, "--grad-accum",
+                                          help="Override training.gradient_accumulation_steps."),
+    output: str | None = typer.Option(None, "--output", "-o", help="Override output."),
+    experiment_name: str | None = typer.Option(None, "--name", help="Override experiment_name."),
+    backend: str | None = typer.Option(None, "--backend", help="Override backend."),
+    base: str | None = typer.Option(None, "--base", help="Override base (model folder or hub id)."),
+    data: str | None = typer.Option(None, "--data", help="Override data.train."),
+    seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
+    resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder "
+                                      "(overrides training.resume_from)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Train on N processes (DDP through torchrun)."),
+) -> None:
+    """Train a model from a YAML config."""
+    overrides = _overrides(lr=lr, epochs=epochs, max_steps=max_steps, batch_size=batch_size,
+                           grad_accum=grad_accum, output=output, experiment_name=experiment_name,
+                           backend=backend, base=base, data=data, seed=seed, resume=resume)
+    code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc)
+    raise typer.Exit(code)
+
+
+def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1) -> int:
+    """The body of ``soup train``; returns the exit code. Never lets a traceback reach the user."""
+    from rich.markup import escape
+
+    from soup_core.config import ConfigError, load_config
+    from soup_core.data import DataError
+    from soup_core.plugins import load_plugins
+    from soup_core.run import RunRefused, execute, plan_run
+    from soup_core.ui import console, err_console
+
+    def fail(message: str) -> int:
+        err_console.print(f"[bold red]error:[/] {escape(message)}")
+        return 1
+
+    if not config_path.exists():
+        return fail(f"{config_path}: no such config file. Write one with `soup init`, or pass --config PATH.")
+    plugins = load_plugins()
+    try:
+        config = load_config(config_path, plugins=plugins, overrides=overrides)
+    except ConfigError as exc:
+        return fail(exc.render())
+    if nproc > 1 and not dry_run:
+        from soup_core.distributed import launch
+
+        return launch(config_path, overrides=overrides, nproc=nproc)
+    try:
+        plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
+    except (RunRefused, DataError) as exc:
+        return fail(str(exc))
+    console.print(f"[bold]soup train[/] {escape(str(config_path))}: task [cyan]{config.task}[/], backend "
+                  f"[cyan]{config.backend}[/], base [cyan]{escape(config.base)}[/]")
+    for line in plan.lines:
+        console.print("  " + escape(line))
+    for plugin, report in plan.preflight:
+        if report.title:
+            console.print(f"  [bold]{escape(report.title)}[/] ({plugin})")
+        for line in report.lines:
+            console.print("    " + escape(line))
+    console.print(f"  output: {escape(str(plan.output_dir))}")
+    if dry_run:
+        console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
+        return 0
+    try:
+        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)))
+    except KeyboardInterrupt:
+        err_console.print("Interrupted; the run is recorded as interrupted.")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
+        if "--debug" in sys.argv or __import__("os").environ.get("SOUP_DEBUG") == "1":
+            raise
+        return fail(f"run failed: {type(exc).__name__}: {exc} (set SOUP_DEBUG=1 for the traceback)")
+    console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
+    return 0

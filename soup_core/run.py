@@ -1,0 +1,137 @@
+"""One training run, from a config to a finished tracker row (what ``soup train`` does).
+
+Order matters and is part of the contract: config → plugin requirements and deep probes → pre-flight
+hooks → data → (dry run stops here) → tracker row → recorders/controllers → model (through the
+``soup_load_model`` hook, inside the backend) → training. Everything after the tracker row starts runs
+inside :func:`soup_core.tracker.tracked_run`, so every exit path ends the row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class RunRefused(RuntimeError):
+    """The run cannot start (an unavailable plugin, a failed probe, a pre-flight refusal)."""
+
+
+@dataclass
+class Plan:
+    """What a run will do; printed by ``soup train`` (and all that ``--dry-run`` does)."""
+
+    config: Any
+    output_dir: Path
+    data: dict[str, Any] = field(default_factory=dict)  # data key -> TrainingList
+    lines: list[str] = field(default_factory=list)
+    preflight: list[tuple[str, Any]] = field(default_factory=list)  # (plugin, PreflightReport)
+
+
+def output_dir_for(config: Any) -> Path:
+    """``<output>`` or ``<output>/<experiment_name>``."""
+    out = Path(config.output)
+    return out / config.experiment_name if config.experiment_name else out
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world size) from the launcher's environment (torchrun / accelerate)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan:
+    """Everything before the model: requirements, probes, pre-flight, data. Raises RunRefused or
+    soup_core.data.DataError."""
+    from soup_core.data import build_training_list, summarize
+
+    problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
+    if problems:
+        raise RunRefused("\n".join(problems))
+    plan = Plan(config=config, output_dir=output_dir_for(config))
+    for plugin, report in plugins.call_preflight(config):
+        plan.preflight.append((plugin, report))
+        if report.refusal:
+            fix = f"\n  fix: {report.fix}" if report.fix else ""
+            raise RunRefused(f"pre-flight check of plugin {plugin!r} refused the run: {report.refusal}{fix}")
+    task_cls = plugins.tasks[config.task]
+    formats = dict(plugins.data_formats.items())
+    for key in task_cls.data_keys:
+        attr = key.split(".", 1)[1]
+        if getattr(config.data, attr, None) is None:
+            continue  # optional data keys (required ones were enforced by the config)
+        training = build_training_list(
+            config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None
+        )
+        plan.data[attr] = training
+        plan.lines.append(f"data.{attr}: {summarize(training)}")
+    return plan
+
+
+def execute(
+    plan: Plan,
+    *,
+    plugins: Any,
+    report: Callable[[str], None] = print,
+    tracker: Any = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Train: open the tracker row, build recorders/controllers and the context, call the backend."""
+    from soup_core.config import config_to_dict, dump_config_yaml
+    from soup_core.io import atomic_write
+    from soup_core.run_context import RunContext
+    from soup_core.run_events import RunEvents
+    from soup_core.tracker import Tracker, tracked_run
+
+    config = plan.config
+    rank, world_size = dist_env()
+    tracker = tracker or Tracker()
+    config_dict = config_to_dict(config)
+    start_kwargs: dict[str, Any] = dict(
+        name=config.experiment_name, task=config.task, backend=config.backend, base_model=config.base,
+        config=config_dict, output_dir=str(plan.output_dir.resolve()),
+    )
+    if run_id is not None:
+        start_kwargs["run_id"] = run_id
+
+    def _train(run_id: str) -> dict[str, Any]:
+        if rank == 0:
+            plan.output_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(plan.output_dir / "soup_config.yaml", dump_config_yaml(config))
+        task = plugins.tasks[config.task]()
+        recorders = [(cls(), plugins.recorders.owner(name)) for name, cls in plugins.recorders.items()]
+        controllers = [
+            (cls(), plugins.controllers.owner(name))
+            for name, cls in plugins.controllers.items()
+            if not cls.tasks or config.task in cls.tasks
+        ]
+        events = RunEvents(recorders=recorders, controllers=controllers, report=report)
+
+        def load_model() -> Any:
+            loaded, by = plugins.call_load_model(config=config, backend=config.backend, task=task)
+            if not getattr(loaded, "loaded_by", ""):
+                loaded.loaded_by = by
+            return loaded
+
+        def log_metrics(step: int, metrics: Mapping[str, float]) -> None:
+            if rank == 0:
+                tracker.log_metrics(run_id, step, metrics)
+
+        context = RunContext(
+            config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get("train"),
+            task=task, events=events, load_model=load_model, log_metrics=log_metrics, rank=rank,
+            world_size=world_size, resume_from=config.training.resume_from, report=report,
+            extra={"data": plan.data, "plugins": plugins},
+        )
+        backend = plugins.backends[config.backend]()
+        return dict(backend.train(context) or {})
+
+    if rank != 0:  # rank 0 owns the tracker row; the others just train under the id they were given
+        return _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
+    with tracked_run(tracker, **start_kwargs) as rid:
+        summary = _train(rid)
+        summary.setdefault("run_id", rid)
+        tracker.finish_run(rid, "completed", summary={k: v for k, v in summary.items()
+                                                      if isinstance(v, (int, float, str))})
+        return summary

@@ -1,0 +1,51 @@
+"""`soup --help`, `--version`, `plugins list` and `runs` never import heavy libraries (fresh subprocess),
+with a control showing the probe does see such an import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "peft", "trl", "bitsandbytes", "mlx", "mlx_lm", "datasets", "accelerate")
+
+PROBE = """
+import json, sys
+args, heavy_names, pre_import = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+if pre_import:
+    __import__(pre_import)
+from soup_core.cli.main import main
+try:
+    main(args)
+except SystemExit:
+    pass
+print("HEAVY=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(heavy_names))), file=sys.stderr)
+"""
+
+
+def heavy_imports(args: list[str], tmp_path: Path, pre_import: str = "") -> list[str]:
+    env = dict(os.environ, SOUP_HOME=str(tmp_path), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY), pre_import], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY=")]
+    assert line, proc.stderr
+    return json.loads(line[-1][len("HEAVY="):])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["--version"], ["plugins", "list"], ["plugins", "list", "--json"], ["runs"], ["runs", "--help"],
+     ["train", "--help"], ["rewind", "--help"]],
+)
+def test_light_commands_import_no_heavy_library(args: list[str], tmp_path: Path) -> None:
+    assert heavy_imports(args, tmp_path) == []
+
+
+def test_control_probe_detects_a_heavy_import(tmp_path: Path) -> None:
+    # the same harness, with torch imported before the command: the probe must report it
+    assert "torch" in heavy_imports(["--help"], tmp_path, pre_import="torch")
