@@ -50,6 +50,8 @@ _LAZY = {
     "fingerprint_rows": "soup_core.data",
     "micro_batches": "soup_core.data",
     "row_text": "soup_core.data",
+    "summarize": "soup_core.data",
+    "epoch_order": "soup_core.data",
     # plugins
     "load_plugins": "soup_core.plugins",
     "PluginSet": "soup_core.plugins",

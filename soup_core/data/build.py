@@ -1,0 +1,338 @@
+"""From the config's data section to the training list (DESIGN.md §5, "The row index").
+
+The training list is the normalised examples in training order, after bad rows are skipped (when asked)
+and the validation rows are held out. A row's index is its position in that list; the fingerprint is
+:func:`fingerprint_rows` over it. ``soup rewind`` rebuilds the list from a saved config, without torch,
+and compares fingerprints before it shows any row's text: everything here must stay deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+from soup_core.contracts import DataFormat
+from soup_core.data.errors import DataError
+from soup_core.data.readers import iter_source
+
+#: How many records auto-detection looks at before it gives up.
+DETECT_LIMIT = 20
+BAD_ROW_MODES = ("error", "skip")
+
+
+@dataclass
+class TrainingList:
+    """The rows a run trains on. ``rows[i]`` is training row ``i`` (the row index of DESIGN.md §5)."""
+
+    rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]
+    fingerprint: str  # fingerprint_rows(rows)
+    format: str
+    source: str  # the resolved path(s) the rows were read from
+    skipped: list[DataError] = field(default_factory=list)  # bad rows skipped under on_bad_row=skip
+    detected: bool = False  # the format was auto-detected
+    #: Where each training row came from: (path as written in the config, line or record number).
+    origins: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_val(self) -> int:
+        return len(self.val_rows)
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+
+
+# One encoder for every row: json.dumps with non-default options builds a new encoder per call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def canonical_row(row: Mapping[str, Any]) -> str:
+    """One row's canonical text: ``json.dumps(row, sort_keys=True, ensure_ascii=False,
+    separators=(",", ":"))``."""
+    return _CANONICAL.encode(row)
+
+
+def fingerprint_rows(rows: Iterable[Mapping[str, Any]]) -> str:
+    """The hex SHA-256 of the rows, in order: for each row, :func:`canonical_row` followed by ``"\\n"``,
+    encoded as UTF-8 (lone surrogates kept with ``surrogatepass``), fed to one hash.
+
+    It depends on every character of every row and on their order, not on key order or on how the
+    source file was formatted. ``soup rewind`` compares it against the one a run logged before showing
+    rows, so this definition must never change (change the name of the field instead).
+    """
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(_CANONICAL.encode(row).encode("utf-8", "surrogatepass"))
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- split
+
+
+def split_indices(n_rows: int, val_split: float, seed: Any) -> list[int]:
+    """The sorted indices (into the valid rows) held out for validation.
+
+    ``round(n_rows * val_split)`` rows (half rounds up), at least 1 when ``val_split > 0`` and
+    ``n_rows ≥ 2``, never all of them; chosen by ``random.Random(seed).sample`` (seed ``None`` counts as 0).
+    """
+    if val_split <= 0 or n_rows < 2:
+        return []
+    n_val = min(max(1, math.floor(n_rows * val_split + 0.5)), n_rows - 1)
+    rng = random.Random(0 if seed is None else seed)
+    return sorted(rng.sample(range(n_rows), n_val))
+
+
+# ------------------------------------------------------------------------------------------ the build
+
+
+def _get(data: Any, name: str, default: Any = None) -> Any:
+    if isinstance(data, Mapping):
+        return data.get(name, default)
+    return getattr(data, name, default)
+
+
+def _paths(raw: Any, key: str) -> list[str]:
+    if raw is None or raw == "" or raw == []:
+        raise DataError("", None, f"data.{key} is not set: give the path of your data file")
+    if isinstance(raw, (str, os.PathLike)):
+        return [os.fspath(raw)]
+    if isinstance(raw, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in raw):
+        return [os.fspath(p) for p in raw]
+    raise DataError("", None, f"data.{key} must be a path (or a list of paths), got {type(raw).__name__}")
+
+
+def _resolve(raw: str, base_dir: Path | None) -> Path:
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        path = (base_dir if base_dir is not None else Path.cwd()) / path
+    return path
+
+
+def _format_list(formats: Iterable[DataFormat]) -> str:
+    return "; ".join(f"{f.name} ({', '.join(f.keys)})" for f in formats)
+
+
+def _candidates(formats: Mapping[str, DataFormat], accepted: Sequence[str] | None) -> list[DataFormat]:
+    """The formats auto-detection may choose, highest priority first (name breaks ties)."""
+    if accepted:
+        pool = [formats[n] for n in accepted if n in formats]
+        if not pool:
+            raise DataError(
+                "",
+                None,
+                f"none of the formats this task accepts ({', '.join(accepted)}) is registered; "
+                f"registered formats: {', '.join(sorted(formats)) or 'none'}",
+            )
+    else:
+        pool = list(formats.values())
+    return sorted(pool, key=lambda f: (-f.priority, f.name))
+
+
+def _explicit(name: str, formats: Mapping[str, DataFormat], accepted: Sequence[str] | None) -> DataFormat:
+    if name not in formats:
+        raise DataError(
+            "",
+            None,
+            f"data.format: unknown format {name!r}; registered formats: {', '.join(sorted(formats))} (or auto)",
+            fix="set data.format to one of the registered formats, or install the plugin that adds it",
+        )
+    if accepted and name not in accepted:
+        raise DataError(
+            "",
+            None,
+            f"data.format: this task does not accept format {name!r}; it accepts: {', '.join(accepted)}",
+        )
+    return formats[name]
+
+
+Item = tuple[str, int, str, "dict[str, Any] | DataError"]  # (display path, number, unit, record|error)
+
+
+def _items(sources: list[tuple[str, Path]]) -> Iterator[Item]:
+    for display, path in sources:
+        for number, unit, item in iter_source(path, display):
+            yield display, number, unit, item
+
+
+def _detect(items: Iterator[Item], candidates: list[DataFormat], shown: str) -> tuple[DataFormat, list[Item]]:
+    """Choose a format from the first record that one of ``candidates`` recognises (looking at no more
+    than :data:`DETECT_LIMIT` records); returns it and the items read so far."""
+    seen: list[Item] = []
+    for item in items:
+        seen.append(item)
+        record = item[3]
+        if not isinstance(record, DataError):
+            for fmt in candidates:
+                if fmt.detect(record):
+                    return fmt, seen
+        if len(seen) >= DETECT_LIMIT:
+            break
+    records = [i for i in seen if not isinstance(i[3], DataError)]
+    if not seen:
+        raise DataError(shown, None, "no rows: the data set is empty")
+    if not records:
+        first = seen[0][3]
+        raise DataError(
+            shown,
+            None,
+            f"no readable record among the first {len(seen)} to detect the format from; the first problem: {first}",
+        )
+    display, number, unit, record = records[0]
+    keys = ", ".join(sorted(map(str, record))) or "none"  # type: ignore[arg-type]
+    raise DataError(
+        display,
+        number,
+        f"cannot detect the data format: no format matches the first {len(seen)} record(s) (this one has "
+        f"keys: {keys}). Formats and the keys they need: {_format_list(candidates)}",
+        unit=unit,
+        fix="rename the keys of your rows, or set data.format",
+    )
+
+
+def _example(fmt: DataFormat, record: dict[str, Any], display: str, number: int, unit: str) -> dict[str, Any]:
+    try:
+        example = fmt.to_example(record)
+    except ValueError as exc:
+        raise DataError(display, number, str(exc), unit=unit) from exc
+    except (TypeError, KeyError, AttributeError) as exc:  # a plugin format that did not raise ValueError
+        raise DataError(
+            display, number, f"format {fmt.name} rejected it: {type(exc).__name__}: {exc}", unit=unit
+        ) from exc
+    if not isinstance(example, dict):
+        raise DataError(display, number, f"format {fmt.name} returned {type(example).__name__}, not a dict", unit=unit)
+    return example
+
+
+def build_training_list(
+    data: Any,
+    *,
+    formats: Mapping[str, DataFormat],
+    base_dir: Path | None = None,
+    key: str = "train",
+    accepted: Sequence[str] | None = None,
+) -> TrainingList:
+    """Read, validate, normalise and split the data named by ``data.<key>`` into a :class:`TrainingList`.
+
+    ``data`` is the config's data section (attributes or mapping keys ``<key>``, ``format``,
+    ``val_split``, ``seed``, ``on_bad_row``); relative paths resolve against ``base_dir`` (the config
+    file's folder), else the current directory. ``formats`` are the registered formats by name;
+    ``accepted`` the ones the task takes (empty or None: all). ``format: auto`` chooses from the keys of
+    the first record some accepted format recognises. Every record is validated: ``on_bad_row: error``
+    raises the first bad row as :class:`DataError`, ``skip`` skips and collects them all. Validation rows
+    are drawn by :func:`split_indices`; the training rows keep their file order.
+    """
+    paths = _paths(_get(data, key), key)
+    sources = [(raw, _resolve(raw, base_dir)) for raw in paths]
+    shown = ", ".join(paths)
+    fmt_name = _get(data, "format") or "auto"
+    on_bad_row = _get(data, "on_bad_row") or "error"
+    if on_bad_row not in BAD_ROW_MODES:
+        raise DataError("", None, f"data.on_bad_row must be one of {', '.join(BAD_ROW_MODES)}, got {on_bad_row!r}")
+    val_split = _get(data, "val_split") or 0.0
+    if isinstance(val_split, bool) or not isinstance(val_split, (int, float)) or not 0 <= val_split < 1:
+        raise DataError("", None, f"data.val_split must be a number in [0, 1), got {val_split!r}")
+    seed = _get(data, "seed")
+
+    items: Iterator[Item] = _items(sources)
+    detected = fmt_name == "auto"
+    if detected:
+        fmt, seen = _detect(items, _candidates(formats, accepted), shown)
+        items = chain(seen, items)
+    else:
+        fmt = _explicit(str(fmt_name), formats, accepted)
+
+    examples: list[dict[str, Any]] = []
+    origins: list[tuple[str, int]] = []
+    skipped: list[DataError] = []
+    total = 0
+    for display, number, unit, record in items:
+        total += 1
+        try:
+            if isinstance(record, DataError):
+                raise record
+            examples.append(_example(fmt, record, display, number, unit))
+            origins.append((display, number))
+        except DataError as exc:
+            if on_bad_row == "error":
+                exc.fix = exc.fix or "fix the row, or set data.on_bad_row: skip to skip bad rows"
+                raise
+            skipped.append(exc)
+
+    if not examples:
+        if not skipped:
+            raise DataError(shown, None, "no rows: the data set is empty")
+        raise DataError(
+            shown,
+            None,
+            f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}",
+        )
+
+    held = set(split_indices(len(examples), float(val_split), seed))
+    rows = [row for i, row in enumerate(examples) if i not in held]
+    val_rows = [examples[i] for i in sorted(held)]
+    origins = [origin for i, origin in enumerate(origins) if i not in held]
+    try:
+        fingerprint = fingerprint_rows(rows)
+    except (TypeError, ValueError) as exc:
+        raise DataError(shown, None, f"format {fmt.name} produced an example that is not JSON data: {exc}") from exc
+    return TrainingList(
+        rows=rows,
+        val_rows=val_rows,
+        fingerprint=fingerprint,
+        format=fmt.name,
+        source=", ".join(str(path) for _, path in sources),
+        skipped=skipped,
+        detected=detected,
+        origins=origins,
+    )
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def row_text(row: Mapping[str, Any]) -> str:
+    """A readable rendering of a normalised example for previews: ``user: ...\\nassistant: ...`` for
+    chat, ``prompt: ...\\ncompletion: ...``, or the text itself. Other shapes (plugin formats) show
+    ``key: value`` per key. The text is returned as is: the caller strips control characters."""
+    messages = row.get("messages")
+    if isinstance(messages, list) and len(row) == 1:
+        return "\n".join(
+            f"{m.get('role', '?')}: {m.get('content', '')}" if isinstance(m, Mapping) else str(m) for m in messages
+        )
+    if set(row) == {"text"} and isinstance(row["text"], str):
+        return row["text"]
+    lines = []
+    for name, value in row.items():
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        lines.append(f"{name}: {shown}")
+    return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def summarize(training_list: TrainingList) -> str:
+    """One line: ``240 training rows, 27 validation rows (format: chat, auto-detected); 2 bad rows
+    skipped``."""
+    how = ", auto-detected" if training_list.detected else ""
+    line = (
+        f"{_plural(training_list.n_rows, 'training row')}, "
+        f"{_plural(training_list.n_val, 'validation row')} (format: {training_list.format}{how})"
+    )
+    if training_list.skipped:
+        line += f"; {_plural(len(training_list.skipped), 'bad row')} skipped"
+    return line
