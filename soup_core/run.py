@@ -132,6 +132,5 @@ def execute(
     with tracked_run(tracker, **start_kwargs) as rid:
         summary = _train(rid)
         summary.setdefault("run_id", rid)
-        tracker.finish_run(rid, "completed", summary={k: v for k, v in summary.items()
-                                                      if isinstance(v, (int, float, str))})
+        tracker.update_summary(rid, {k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
         return summary

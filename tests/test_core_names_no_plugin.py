@@ -11,7 +11,7 @@ from pathlib import Path
 CORE = Path(__file__).resolve().parents[1] / "soup_core"
 EXEMPT = {CORE / "config" / "known.py"}
 FOREIGN = {"mlx", "grpo", "dpo", "ipo", "kto", "orpo", "simpo", "cpo", "bco", "ppo", "unlearn", "distill",
-           "streaming", "rewind", "classification", "reward_model", "pretrain"}
+           "classification", "reward_model", "pretrain"}
 
 
 def foreign_names(source: str) -> list[str]:

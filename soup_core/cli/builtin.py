@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from soup_core.cli.init_cmd import init
 from soup_core.cli.plugins_cmd import plugins_app
+from soup_core.cli.quickstart_cmd import quickstart
 from soup_core.cli.train_cmd import TRAIN_HELP, train
 from soup_core.contracts import Command
 from soup_core.hookspecs import hookimpl
@@ -13,6 +15,9 @@ SOUP_HOOK_API = (1, 1)
 @hookimpl
 def soup_register_commands() -> list[Command]:
     return [
+        Command(name="quickstart", target=quickstart, help="Train a tiny local model in about a minute, "
+                "with zero input: the fastest way to see Soup work."),
+        Command(name="init", target=init, help="Write a starter soup.yaml that validates as written."),
         Command(name="train", target=train, help=TRAIN_HELP),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
     ]

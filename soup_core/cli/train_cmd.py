@@ -79,6 +79,9 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
 
     if not config_path.exists():
         return fail(f"{config_path}: no such config file. Write one with `soup init`, or pass --config PATH.")
+    from soup_core.distributed import env_overrides, env_run_id
+
+    overrides = {**env_overrides(), **overrides}
     plugins = load_plugins()
     try:
         config = load_config(config_path, plugins=plugins, overrides=overrides)
@@ -90,7 +93,9 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         return launch(config_path, overrides=overrides, nproc=nproc)
     try:
         plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
-    except (RunRefused, DataError) as exc:
+    except DataError as exc:
+        return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))
+    except RunRefused as exc:
         return fail(str(exc))
     console.print(f"[bold]soup train[/] {escape(str(config_path))}: task [cyan]{config.task}[/], backend "
                   f"[cyan]{config.backend}[/], base [cyan]{escape(config.base)}[/]")
@@ -106,7 +111,7 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
     try:
-        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)))
+        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)), run_id=env_run_id())
     except KeyboardInterrupt:
         err_console.print("Interrupted; the run is recorded as interrupted.")
         return 130
