@@ -2,14 +2,15 @@
 probes and support-table entries (DESIGN.md §2, §4a).
 
 Everything here is import-light (no torch, no transformers): ``soup --help`` imports this module. Heavy
-work belongs inside methods, which import what they need when called.
+work belongs inside methods, which import what they need when called. Immutable records are
+``NamedTuple`` rather than frozen dataclasses: their classes cost a sixth as much to create, which
+matters at every start of the CLI.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
@@ -18,16 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover
 # --------------------------------------------------------------------------------------------- probes
 
 
-@dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(NamedTuple):
     ok: bool
     reason: str = ""  # why it failed (empty when ok)
     fix: str = ""  # the command or change that fixes it
     detail: str = ""  # extra facts shown when ok (e.g. "device: cpu")
 
 
-@dataclass(frozen=True)
-class Probe:
+class Probe(NamedTuple):
     """A capability check. ``deep=False`` probes run at every load and must not import heavy libraries
     (use :mod:`soup_core.probes` helpers); ``deep=True`` probes may import and construct the real object,
     and run before a run that uses the plugin and under ``soup plugins list --check``.
@@ -45,8 +44,7 @@ class Probe:
 # --------------------------------------------------------------------------------------- config fields
 
 
-@dataclass(frozen=True)
-class ConfigField:
+class ConfigField(NamedTuple):
     """A config field a plugin adds, by full dotted path (``training.rewind_log``, ``data.forget``).
 
     ``annotation`` is a type pydantic understands; ``default`` is used when the key is absent (use
@@ -64,8 +62,7 @@ class ConfigField:
 REQUIRED: Any = ...  # marker: a ConfigField with this default must be given
 
 
-@dataclass(frozen=True)
-class Support:
+class Support(NamedTuple):
     """One row of the support table: the ``fields`` the (``backend``, ``task``) pair honours.
 
     Rows for the same pair from several plugins are merged (the streaming plugin adds its fields to
@@ -81,8 +78,7 @@ class Support:
 # ------------------------------------------------------------------------------------------ data formats
 
 
-@dataclass(frozen=True)
-class DataFormat:
+class DataFormat(NamedTuple):
     """A row format: how to recognise a raw record and turn it into a training example.
 
     ``to_example`` returns the normalised example (a JSON-serialisable dict) or raises ``ValueError``
@@ -134,24 +130,32 @@ class Backend:
         raise NotImplementedError
 
 
-@dataclass
 class LoadedModel:
     """What the model-loading hook returns: the model and tokenizer, and who loaded them."""
 
-    model: Any
-    tokenizer: Any
-    loaded_by: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, model: Any, tokenizer: Any, loaded_by: str = "", extra: dict[str, Any] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.loaded_by = loaded_by
+        self.extra: dict[str, Any] = dict(extra or {})
+
+    def __repr__(self) -> str:
+        return f"LoadedModel(model={type(self.model).__name__}, loaded_by={self.loaded_by!r})"
 
 
-@dataclass
 class PreflightReport:
-    """What a pre-flight hook returns: lines for the plan and, optionally, a refusal."""
+    """What a pre-flight hook returns: lines for the plan and, optionally, a refusal (a reason: the run
+    is refused before data or a model are loaded) with its fix."""
 
-    title: str = ""
-    lines: list[str] = field(default_factory=list)
-    refusal: str | None = None  # a reason; the run is refused before data or a model are loaded
-    fix: str | None = None
+    def __init__(self, title: str = "", lines: list[str] | None = None, refusal: str | None = None,
+                 fix: str | None = None) -> None:
+        self.title = title
+        self.lines: list[str] = list(lines or [])
+        self.refusal = refusal
+        self.fix = fix
+
+    def __repr__(self) -> str:
+        return f"PreflightReport(title={self.title!r}, lines={self.lines!r}, refusal={self.refusal!r})"
 
 
 # ------------------------------------------------------------------------------- recorders, controllers
@@ -180,24 +184,21 @@ class Recorder:
         """The run is over (on every exit path)."""
 
 
-@dataclass(frozen=True)
-class SetCoefficient:
+class SetCoefficient(NamedTuple):
     """Controller action: set a named training coefficient (e.g. ``beta``) to ``value``."""
 
     name: str
     value: float
 
 
-@dataclass(frozen=True)
-class Rollback:
+class Rollback(NamedTuple):
     """Controller action: restore model and optimizer from ``checkpoint`` (None: the latest good one)."""
 
     checkpoint: str | None = None
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class Stop:
+class Stop(NamedTuple):
     """Controller action: stop the run; the tracker row is marked ``stopped`` with ``reason``."""
 
     reason: str
@@ -224,8 +225,7 @@ class Controller:
 # ------------------------------------------------------------------------------------------- commands
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
     """A CLI command (``soup NAME``). ``target`` is a function (a single command) or a ``typer.Typer``
     (a group). Its module must import light: heavy imports go inside the function body."""
 

@@ -1,17 +1,18 @@
 """The events a run emits to recorders and controllers (DESIGN.md §4a).
 
-Plain frozen dataclasses, cheap to build and import: a backend constructs them, the core fans them out.
-Fields are only ever added, never renamed, so recorders written against an older core keep working.
+Immutable records (``NamedTuple``: creating the classes costs a sixth of frozen dataclasses, and every
+``soup`` command imports this module). A backend constructs them, the core fans them out. Fields are only
+ever added — at the end, with a default — never renamed, so recorders written against an older core keep
+working.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 
-@dataclass(frozen=True)
-class RunStart:
+class RunStart(NamedTuple):
     """A run has been set up and is about to take its first optimizer step."""
 
     run_id: str
@@ -29,8 +30,7 @@ class RunStart:
     packing: bool = False
 
 
-@dataclass(frozen=True)
-class MicroBatch:
+class MicroBatch(NamedTuple):
     """One micro-batch's forward pass: which rows it held and what each row's loss was.
 
     ``row_loss[i]`` is the mean supervised-token loss of ``rows[i]`` (may be non-finite, passed through as
@@ -45,17 +45,15 @@ class MicroBatch:
     rank: int = 0
 
 
-@dataclass(frozen=True)
-class OptimizerStep:
+class OptimizerStep(NamedTuple):
     """An optimizer step has completed; ``metrics`` holds only values that were really measured."""
 
     step: int
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: Mapping[str, float] = {}  # noqa: RUF012 - read-only; backends always pass their own
     rank: int = 0
 
 
-@dataclass(frozen=True)
-class RunEnd:
+class RunEnd(NamedTuple):
     """The run is over. ``status`` is completed, failed, interrupted or stopped (by a controller)."""
 
     status: str

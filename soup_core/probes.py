@@ -8,6 +8,7 @@ a constructor's signature, an attribute — never a version number.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,9 +16,39 @@ from typing import Any
 from soup_core.contracts import ProbeResult
 
 
+def _normalise(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+_versions: dict[str, str] | None = None
+
+
+def _installed_versions() -> dict[str, str]:
+    """Normalised distribution name -> version, read from ``*.dist-info`` folder names on ``sys.path``
+    (first one wins, as importlib.metadata does) — without importing importlib.metadata, whose start-up
+    cost every command would pay through the cheap probes."""
+    global _versions
+    if _versions is None:
+        found: dict[str, str] = {}
+        for entry in sys.path:
+            try:
+                names = os.listdir(entry or ".")
+            except OSError:
+                continue
+            for folder in names:
+                if folder.endswith(".dist-info"):
+                    dist, _, version = folder[: -len(".dist-info")].partition("-")
+                    found.setdefault(_normalise(dist), version)
+        _versions = found
+    return _versions
+
+
 def distribution_version(name: str) -> str | None:
     """The installed version of a distribution, or None when it is not installed."""
-    import importlib.metadata
+    version = _installed_versions().get(_normalise(name))
+    if version:
+        return version
+    import importlib.metadata  # egg-info and other layouts: ask the slow, thorough way
 
     try:
         return importlib.metadata.version(name)

@@ -14,20 +14,35 @@ model. The pieces:
 
 from __future__ import annotations
 
-from soup_core.data.build import (
-    DETECT_LIMIT,
-    TrainingList,
-    build_training_list,
-    canonical_row,
-    fingerprint_rows,
-    row_text,
-    split_indices,
-    summarize,
-)
-from soup_core.data.errors import DataError
-from soup_core.data.formats import BUILTIN_FORMATS, alpaca_prompt
-from soup_core.data.order import epoch_order, micro_batches
-from soup_core.data.readers import read_records
+import importlib
+from typing import Any
+
+# name -> submodule; loaded on first use, so the built-in plugin ``core.formats`` (imported by every
+# command, `soup --help` included) pays only for the formats module.
+_EXPORTS = {
+    "DETECT_LIMIT": "build",
+    "TrainingList": "build",
+    "build_training_list": "build",
+    "canonical_row": "build",
+    "fingerprint_rows": "build",
+    "row_text": "build",
+    "split_indices": "build",
+    "summarize": "build",
+    "DataError": "errors",
+    "BUILTIN_FORMATS": "formats",
+    "alpaca_prompt": "formats",
+    "epoch_order": "order",
+    "micro_batches": "order",
+    "read_records": "readers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'soup_core.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"soup_core.data.{module}"), name)
+
 
 __all__ = [
     "BUILTIN_FORMATS",

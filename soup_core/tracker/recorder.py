@@ -1,0 +1,45 @@
+"""The recorder that writes each optimizer step's measured metrics to the tracker (rank 0 only)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from soup_core.contracts import Recorder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from soup_core.events import OptimizerStep, RunEnd, RunStart
+    from soup_core.tracker.store import Tracker
+
+
+class TrackerRecorder(Recorder):
+    """Writes ``OptimizerStep.metrics`` to the tracker row of the run named by ``RunStart.run_id``.
+
+    Only rank 0 writes (other ranks would log the same step again). The tracker is opened on the first
+    step, so a run that never steps never touches the database. The run's row is started and ended by
+    the caller of the backend (:func:`soup_core.tracker.tracked_run`), not here.
+    """
+
+    name: ClassVar[str] = "tracker"
+    description: ClassVar[str] = "Writes each optimizer step's metrics to the experiment tracker."
+
+    def __init__(self) -> None:
+        self._run_id: str | None = None
+        self._tracker: Tracker | None = None
+
+    def on_run_start(self, event: RunStart) -> None:
+        if event.rank == 0:
+            self._run_id = event.run_id
+
+    def on_optimizer_step(self, event: OptimizerStep) -> None:
+        if event.rank != 0 or self._run_id is None:
+            return
+        if self._tracker is None:
+            from soup_core.tracker.store import Tracker
+
+            self._tracker = Tracker()
+        self._tracker.log_metrics(self._run_id, event.step, event.metrics)
+
+    def on_run_end(self, event: RunEnd) -> None:
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
