@@ -43,6 +43,10 @@ _LAZY = {
     "Tracker": "soup_core.tracker",
     "RunRecord": "soup_core.tracker",
     "soup_home": "soup_core.tracker",
+    "tracked_run": "soup_core.tracker",
+    "RunStopped": "soup_core.tracker",
+    "AmbiguousRunError": "soup_core.tracker",
+    "TrackerError": "soup_core.tracker",
     # data
     "build_training_list": "soup_core.data",
     "TrainingList": "soup_core.data",
