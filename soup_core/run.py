@@ -25,6 +25,7 @@ class Plan:
 
     config: Any
     output_dir: Path
+    base_dir: Path | None = None  # the config file's folder: relative data paths resolve against it
     data: dict[str, Any] = field(default_factory=dict)  # data key -> TrainingList
     lines: list[str] = field(default_factory=list)
     preflight: list[tuple[str, Any]] = field(default_factory=list)  # (plugin, PreflightReport)
@@ -49,7 +50,7 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
     if problems:
         raise RunRefused("\n".join(problems))
-    plan = Plan(config=config, output_dir=output_dir_for(config))
+    plan = Plan(config=config, output_dir=output_dir_for(config), base_dir=base_dir)
     for plugin, report in plugins.call_preflight(config):
         plan.preflight.append((plugin, report))
         if report.refusal:
@@ -88,6 +89,11 @@ def execute(
     rank, world_size = dist_env()
     tracker = tracker or Tracker()
     config_dict = config_to_dict(config)
+    # the tracker keeps data paths absolute, so a reader (soup rewind) can rebuild the rows from anywhere
+    for key in plan.data:
+        value = config_dict.get("data", {}).get(key)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            config_dict["data"][key] = str(((plan.base_dir or Path.cwd()) / value).resolve())
     start_kwargs: dict[str, Any] = dict(
         name=config.experiment_name, task=config.task, backend=config.backend, base_model=config.base,
         config=config_dict, output_dir=str(plan.output_dir.resolve()),

@@ -1,0 +1,40 @@
+"""The ``rewind`` plugin: the flight recorder, its config switch and the ``soup rewind`` command.
+
+Registration is cheap (DESIGN.md §3): this module imports the core's contracts and nothing heavy; the
+command's module imports typer only.
+"""
+
+from __future__ import annotations
+
+from soup_core import Command, ConfigField, Recorder, hookimpl
+
+#: Hook-API versions this plugin supports (min, max).
+SOUP_HOOK_API = (1, 1)
+
+
+@hookimpl
+def soup_register_commands() -> list[Command]:
+    from soup_plugin_rewind.cli import HELP, rewind
+
+    return [Command(name="rewind", target=rewind, help=HELP)]
+
+
+@hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    return [
+        ConfigField(
+            path="training.rewind_log",
+            annotation=bool,
+            default=True,
+            description="Write rewind.jsonl (each micro-batch's rows, losses and tokens) for soup rewind; "
+            "false writes nothing.",
+            observer=True,
+        )
+    ]
+
+
+@hookimpl
+def soup_register_recorders() -> list[type[Recorder]]:
+    from soup_plugin_rewind.recorder import RewindRecorder
+
+    return [RewindRecorder]
