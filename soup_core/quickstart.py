@@ -74,6 +74,7 @@ def prepare(directory: Path) -> Path:
     from soup_core.io import atomic_write
     from soup_core.tiny import tiny_model_dir
 
+    directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     model = tiny_model_dir()
     data = directory / "train.jsonl"
