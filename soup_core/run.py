@@ -83,7 +83,7 @@ def execute(
     from soup_core.io import atomic_write
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
-    from soup_core.tracker import Tracker, tracked_run
+    from soup_core.tracker import RunStopped, Tracker, tracked_run
 
     config = plan.config
     rank, world_size = dist_env()
@@ -135,8 +135,14 @@ def execute(
 
     if rank != 0:  # rank 0 owns the tracker row; the others just train under the id they were given
         return _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
-    with tracked_run(tracker, **start_kwargs) as rid:
-        summary = _train(rid)
-        summary.setdefault("run_id", rid)
-        tracker.update_summary(rid, {k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
-        return summary
+    summary: dict[str, Any] = {}
+    try:
+        with tracked_run(tracker, **start_kwargs) as rid:
+            summary = _train(rid)
+            summary.setdefault("run_id", rid)
+            tracker.update_summary(rid, {k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+            if summary.get("status") == "stopped":  # a controller stopped it: the row says so, not "completed"
+                raise RunStopped(str(summary.get("stop_reason") or "stopped by a controller"))
+    except RunStopped:
+        pass
+    return summary

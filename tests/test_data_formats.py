@@ -71,11 +71,11 @@ def test_alpaca_with_and_without_input(tmp_path: Path) -> None:
     result = build(write_jsonl(tmp_path / "d.jsonl", records))
     assert result.format == "alpaca"
     assert result.rows == [
-        {"prompt": "Add\n\nInput:\n2 and 3", "completion": "5"},
-        {"prompt": "Say hi", "completion": "hi"},
-        {"prompt": "Say yo", "completion": "yo"},
+        {"prompt": "Add\n\nInput:\n2 and 3\n\nResponse:\n", "completion": "5"},
+        {"prompt": "Say hi\n\nResponse:\n", "completion": "hi"},
+        {"prompt": "Say yo\n\nResponse:\n", "completion": "yo"},
     ]
-    assert alpaca_prompt("Add", "2 and 3") == "Add\n\nInput:\n2 and 3"
+    assert alpaca_prompt("Add", "2 and 3") == "Add\n\nInput:\n2 and 3\n\nResponse:\n"
 
 
 def test_prompt_completion_and_text(tmp_path: Path) -> None:
@@ -252,7 +252,7 @@ def test_csv_rows_through_the_pipeline_keep_file_lines(tmp_path: Path) -> None:
         writer.writerow(["Fine", "", ""])
     err = build_error(path)
     assert str(err) == f"{path} line 4: 'output' is empty"
-    assert build(path, on_bad_row="skip").rows == [{"prompt": "Two\nlines", "completion": "ok"}]
+    assert build(path, on_bad_row="skip").rows == [{"prompt": "Two\nlines\n\nResponse:\n", "completion": "ok"}]
 
 
 def test_json_record_numbers_in_errors(tmp_path: Path) -> None:

@@ -28,13 +28,16 @@ CHAT_ROLES = ("system", "user", "assistant")
 #: How an alpaca record's instruction and optional input become one prompt (part of the fingerprint:
 #: changing it changes every alpaca data set's fingerprint).
 ALPACA_INPUT_HEADER = "\n\nInput:\n"
+#: Ends every alpaca prompt, so the answer (the completion, trained on) never runs into the question.
+ALPACA_RESPONSE_HEADER = "\n\nResponse:\n"
 
 
 def alpaca_prompt(instruction: str, input_text: str = "") -> str:
-    """The prompt of an alpaca record: the instruction, then ``Input:`` and the input when there is one."""
+    """The prompt of an alpaca record: the instruction, then ``Input:`` and the input when there is one, then
+    ``Response:``, after which the completion follows."""
     if input_text:
-        return f"{instruction}{ALPACA_INPUT_HEADER}{input_text}"
-    return instruction
+        return f"{instruction}{ALPACA_INPUT_HEADER}{input_text}{ALPACA_RESPONSE_HEADER}"
+    return f"{instruction}{ALPACA_RESPONSE_HEADER}"
 
 
 def _has(record: Mapping[str, Any], *keys: str) -> bool:

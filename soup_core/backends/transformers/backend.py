@@ -1,0 +1,303 @@
+"""The built-in ``transformers`` backend: trains a task with transformers/trl/peft.
+
+Import-light at module level (the plugin registers this class at every load); the engine is imported
+when a run is prepared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from soup_core.backends.transformers.loading import BackendError, quiet_progress
+from soup_core.contracts import Backend
+from soup_core.events import RunEnd, RunStart
+
+#: Every config path this backend honours for the sft task (its support-table row).
+HONOURED_FIELDS: frozenset[str] = frozenset(
+    {
+        "data.train",
+        "data.format",
+        "data.val_split",
+        "data.seed",
+        "data.max_length",
+        "data.train_on_responses_only",
+        "data.on_bad_row",
+        "data.packing",
+        "training.epochs",
+        "training.max_steps",
+        "training.learning_rate",
+        "training.batch_size",
+        "training.gradient_accumulation_steps",
+        "training.scheduler",
+        "training.warmup_ratio",
+        "training.weight_decay",
+        "training.max_grad_norm",
+        "training.seed",
+        "training.dtype",
+        "training.quantization",
+        "training.bnb_4bit_use_double_quant",
+        "training.gradient_checkpointing",
+        "training.lora.r",
+        "training.lora.alpha",
+        "training.lora.dropout",
+        "training.lora.target_modules",
+        "training.save_steps",
+        "training.eval_steps",
+        "training.logging_steps",
+        "training.resume_from",
+        "training.report_to",
+    }
+)
+
+
+#: training.report_to name -> the modules that provide it (any one will do) and the package to install.
+REPORTERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+    "mlflow": (("mlflow",), "mlflow"),
+}
+
+
+def _module_present(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _report_to(value: Iterable[str] | str | None) -> list[str] | str:
+    """``training.report_to`` as transformers takes it (``[]`` -> ``"none"``); refuses a tracker whose
+    package is missing, instead of failing later inside the Trainer."""
+    if not value:
+        return "none"
+    names = [value] if isinstance(value, str) else list(value)
+    for name in names:
+        modules, package = REPORTERS.get(name, ((name,), name))
+        if not any(_module_present(m) for m in modules):
+            raise BackendError(
+                f"training.report_to: {name} is not installed; run: pip install {package} "
+                f"(or remove {name} from training.report_to)"
+            )
+    return names
+
+
+def build_training_args(config: Any, output_dir: Path, *, has_eval: bool, run_name: str = "") -> Any:
+    """The ``trl.SFTConfig`` for a run, every value taken from the config (none left to trl's defaults
+    where they differ from transformers', e.g. ``bf16`` and ``gradient_checkpointing``)."""
+    import torch
+    from trl import SFTConfig
+
+    from soup_core.backends.transformers.loading import resolve_dtype
+
+    t = config.training
+    dtype = resolve_dtype(t.dtype)
+    on_gpu = torch.cuda.is_available()
+    eval_steps = t.eval_steps
+    if eval_steps and not has_eval:
+        raise BackendError(
+            "training.eval_steps is set but there are no validation rows; set data.val_split above 0 "
+            "(or remove training.eval_steps)"
+        )
+    if has_eval:
+        eval_kwargs: dict[str, Any] = (
+            {"eval_strategy": "steps", "eval_steps": int(eval_steps)} if eval_steps else {"eval_strategy": "epoch"}
+        )
+    else:
+        eval_kwargs = {"eval_strategy": "no"}
+    save_kwargs: dict[str, Any] = (
+        {"save_strategy": "steps", "save_steps": int(t.save_steps)} if t.save_steps else {"save_strategy": "no"}
+    )
+    gc = bool(t.gradient_checkpointing)
+    gc_kwargs = {"use_reentrant": False} if gc else None
+    # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing; set whichever exists
+    # (trl's SFTConfig defaults the old name to True, so it is always set explicitly).
+    checkpointing: dict[str, Any] = {"gradient_checkpointing": gc, "gradient_checkpointing_kwargs": gc_kwargs}
+    if "activation_checkpointing" in getattr(SFTConfig, "__dataclass_fields__", {}):
+        checkpointing.update(activation_checkpointing=gc, activation_checkpointing_kwargs=gc_kwargs)
+    return SFTConfig(
+        output_dir=str(output_dir),
+        run_name=run_name or None,
+        num_train_epochs=float(t.epochs),
+        max_steps=int(t.max_steps) if t.max_steps else -1,
+        learning_rate=float(t.learning_rate),
+        lr_scheduler_type=str(t.scheduler),
+        # transformers 5 reads a float in [0, 1) as a fraction of the total steps
+        warmup_steps=float(t.warmup_ratio or 0.0),
+        weight_decay=float(t.weight_decay),
+        max_grad_norm=float(t.max_grad_norm),
+        per_device_train_batch_size=int(t.batch_size),
+        per_device_eval_batch_size=int(t.batch_size),
+        gradient_accumulation_steps=int(t.gradient_accumulation_steps),
+        seed=int(t.seed),
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu=not on_gpu and not torch.backends.mps.is_available(),
+        **checkpointing,
+        optim="adamw_torch_fused" if on_gpu else "adamw_torch",
+        logging_strategy="steps",
+        logging_steps=int(t.logging_steps),
+        report_to=_report_to(t.report_to),
+        disable_tqdm=True,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        max_length=int(config.data.max_length),
+        packing=False,
+        padding_free=False,
+        shuffle_dataset=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        **eval_kwargs,
+        **save_kwargs,
+    )
+
+
+def checkpoint_step(checkpoint: str | Path | None) -> int | None:
+    """The optimizer step a checkpoint folder was saved at (from its ``trainer_state.json``)."""
+    if not checkpoint:
+        return None
+    state = Path(checkpoint) / "trainer_state.json"
+    if not state.is_file():
+        raise BackendError(
+            f"training.resume_from: {checkpoint} is not a checkpoint folder (trainer_state.json is missing)"
+        )
+    return int(json.loads(state.read_text(encoding="utf-8")).get("global_step", 0))
+
+
+def _silent(message: str) -> None:
+    """Ranks other than 0 print nothing: one line per event, not one per process."""
+
+
+@dataclass
+class PreparedRun:
+    """A run whose model, data and trainer are ready; :meth:`run` trains it."""
+
+    ctx: Any
+    trainer: Any
+    setup: Any
+    adapter: bool
+    resumed_from_step: int | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def run(self) -> dict[str, Any]:
+        """Train, emitting run start and (on every exit path) run end; save the model; return a summary."""
+        ctx, trainer = self.ctx, self.trainer
+        resumed = self.resumed_from_step
+        args = trainer.args
+        ctx.events.run_start(
+            RunStart(
+                run_id=ctx.run_id,
+                output_dir=str(ctx.output_dir),
+                config=ctx.config,
+                fingerprint=getattr(ctx.training, "fingerprint", ""),
+                n_rows=int(getattr(ctx.training, "n_rows", len(ctx.training.rows))),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                resumed_from_step=resumed,
+                backend=TransformersBackend.name,
+                task=ctx.task.name,
+                batch_size=args.per_device_train_batch_size,
+                grad_accum=args.gradient_accumulation_steps,
+                packing=self.setup.packing,
+            )
+        )
+        status, error = "failed", None
+        try:
+            # transformers' own save/load bars would interleave with the progress display
+            with quiet_progress():
+                output = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+                status = "stopped" if trainer.soup_stop_reason else "completed"
+                trainer.save_model(str(ctx.output_dir))
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            if self.setup.progress is not None:
+                self.setup.progress.close()
+            ctx.events.run_end(RunEnd(status=status, error=error, rank=ctx.rank, steps=trainer.state.global_step))
+        model = trainer.model
+        self.summary = {
+            "status": status,
+            "stop_reason": trainer.soup_stop_reason,
+            "steps": trainer.state.global_step,
+            "final_loss": trainer.soup_last_metrics.get("loss"),
+            "train_loss": getattr(output, "training_loss", None),
+            "output_dir": str(ctx.output_dir),
+            "adapter": self.adapter,
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "resumed_from_step": resumed,
+            "tokens_seen": trainer.soup_tokens_seen,
+        }
+        return self.summary
+
+
+class TransformersBackend(Backend):
+    """Trains with Hugging Face transformers, trl and peft (LoRA, QLoRA via bitsandbytes, full)."""
+
+    name = "transformers"
+    description = "Hugging Face transformers + trl + peft (LoRA, 4/8-bit QLoRA, full fine-tuning)"
+
+    def prepare(self, ctx: Any) -> PreparedRun:
+        """Load the model (through ``ctx.load_model``), add the adapter, build the task's trainer."""
+        from peft import PeftModel
+        from transformers import set_seed
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        from soup_core.backends.transformers.loading import apply_lora
+        from soup_core.backends.transformers.progress import ProgressDisplay
+        from soup_core.backends.transformers.trainer import EvalMetricsCallback, TrainerSetup
+
+        config = ctx.config
+        resumed = checkpoint_step(ctx.resume_from)  # a bad checkpoint is refused before loading anything
+        say = ctx.report if ctx.rank == 0 else _silent
+        seed = int(config.training.seed)
+        set_seed(seed)
+        loaded = ctx.load_model()
+        model, tokenizer = loaded.model, loaded.tokenizer
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        adapter = isinstance(model, PeftModel)
+        if not adapter and not loaded.extra.get("adapter_applied"):
+            set_seed(seed)  # the adapter's initial weights depend on the seed, not on what loading drew
+            model = apply_lora(model, config, report=say)
+            adapter = isinstance(model, PeftModel)
+        val_rows = list(getattr(ctx.training, "val_rows", None) or [])
+        args = build_training_args(
+            config,
+            Path(ctx.output_dir),
+            has_eval=bool(val_rows),
+            run_name=str(getattr(config, "experiment_name", "") or ctx.run_id),
+        )
+        progress = (
+            ProgressDisplay(logging_steps=int(config.training.logging_steps), report=say) if ctx.rank == 0 else None
+        )
+        setup = TrainerSetup(
+            ctx=ctx,
+            model=model,
+            tokenizer=tokenizer,
+            args=args,
+            packing=bool(config.data.packing),
+            data_seed=int(config.data.seed),
+            progress=progress,
+        )
+        try:
+            trainer = ctx.task.build(self, setup)
+        except NotImplementedError as exc:
+            raise BackendError(f"task {ctx.task.name!r} cannot run on backend transformers: {exc}") from exc
+        for noisy in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(noisy)
+        trainer.add_callback(EvalMetricsCallback(ctx))
+        if progress is not None:
+            trainer.add_callback(progress)
+        return PreparedRun(ctx=ctx, trainer=trainer, setup=setup, adapter=adapter, resumed_from_step=resumed)
+
+    def train(self, context: Any) -> dict[str, Any]:
+        """Run one training run (see :class:`PreparedRun`); returns its summary."""
+        return self.prepare(context).run()

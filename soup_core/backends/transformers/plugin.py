@@ -1,0 +1,64 @@
+"""Registers the built-in transformers backend (plugin ``core.transformers``): the backend, its support
+row for the sft task, its probes, and the last-resort model loader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from soup_core import probes
+from soup_core.backends.transformers.backend import HONOURED_FIELDS, TransformersBackend
+from soup_core.contracts import LoadedModel, Probe, ProbeResult, Support
+from soup_core.hookspecs import hookimpl
+
+SOUP_HOOK_API = (1, 1)
+
+_TRAIN_EXTRA = 'pip install "soup-core[train]"'
+
+
+@hookimpl
+def soup_register_backends() -> list[type]:
+    return [TransformersBackend]
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS)]
+
+
+def _stack_installed() -> ProbeResult:
+    for dist in ("torch", "transformers", "peft", "trl", "accelerate", "datasets"):
+        result = probes.distribution(dist, fix=_TRAIN_EXTRA)
+        if not result.ok:
+            return result
+    return ProbeResult(True, detail="torch, transformers, peft, trl, accelerate, datasets installed")
+
+
+def _trl_seams() -> ProbeResult:
+    """Deep: the trl/transformers objects this backend extends still have the seams it uses."""
+    from transformers import Trainer
+    from trl import SFTConfig, SFTTrainer
+
+    for keyword in ("dataset_kwargs", "shuffle_dataset", "padding_free", "max_length"):
+        if not probes.accepts(SFTConfig, keyword):
+            return ProbeResult(False, f"trl's SFTConfig does not accept {keyword!r}", "pip install 'trl>=1.0,<2'")
+    for attr in ("compute_loss", "training_step", "get_train_dataloader", "_maybe_log_save_evaluate"):
+        if not probes.has_attribute(SFTTrainer, attr) or not probes.has_attribute(Trainer, attr):
+            return ProbeResult(False, f"the installed Trainer has no {attr}", "pip install 'transformers>=5,<6'")
+    return ProbeResult(True)
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    return [
+        Probe("training stack installed", _stack_installed, deep=False, scope="backend:transformers"),
+        Probe("trl trainer seams", _trl_seams, deep=True, scope="backend:transformers"),
+    ]
+
+
+@hookimpl(trylast=True)
+def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
+    if backend != "transformers":
+        return None
+    from soup_core.backends.transformers.loading import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(config)

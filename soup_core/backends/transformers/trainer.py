@@ -1,0 +1,373 @@
+"""The transformers backend's trainer: trl's ``SFTTrainer`` extended at its seams, no new training loop.
+
+Seams used (all public or documented for subclassing in transformers/trl):
+
+- ``get_train_dataloader``: a batch sampler that yields :func:`soup_core.data.micro_batches` for the
+  epoch the trainer state is in, sharded by rank, so every micro-batch holds the core's rows.
+- ``compute_loss``: trl computes the loss through its fused LM head, whose output carries each token's
+  log-probability and label mask. A forward hook keeps that output, so the per-row loss sums and
+  supervised-token counts come from the same forward pass as the loss that is back-propagated.
+- ``training_step``: the step loss, as the trainer itself accumulates it.
+- ``_maybe_log_save_evaluate``: called by the loop right after every optimizer step with the step's
+  grad norm and learning rate; the optimizer-step event and controller actions happen there, before
+  the trainer's own logging, evaluation and checkpointing for that step.
+
+trl's own dataset preparation is skipped (``skip_prepare_dataset``): it shuffles, and it drops rows left
+without supervised tokens, which would break the row index. The task tokenises instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback
+from trl import SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from soup_core.backends.transformers.loading import BackendError
+from soup_core.contracts import Rollback, SetCoefficient, Stop
+from soup_core.data import micro_batches
+from soup_core.events import MicroBatch, OptimizerStep
+
+IGNORE = -100
+
+
+@dataclass
+class TrainerSetup:
+    """What a task needs to build its trainer on the transformers backend."""
+
+    ctx: Any  # soup_core.run_context.RunContext
+    model: Any
+    tokenizer: Any
+    args: Any  # trl.SFTConfig
+    packing: bool
+    data_seed: int
+    progress: Any = None  # a ProgressDisplay (rank 0) or None
+
+
+# ------------------------------------------------------------------------------------------ row order
+
+
+class RowOrderBatchSampler:
+    """Yields the core's micro-batches (lists of row indices) for the epoch ``epoch_fn()`` names."""
+
+    def __init__(self, n_rows: int, *, batch_size: int, seed: int, rank: int, world_size: int, epoch_fn: Any) -> None:
+        self.n_rows, self.batch_size, self.seed = n_rows, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch_fn = epoch_fn
+        self._len = len(self.batches(0))
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        return micro_batches(
+            self.n_rows,
+            batch_size=self.batch_size,
+            epoch=epoch,
+            seed=self.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def __iter__(self):
+        yield from self.batches(self.epoch_fn())
+
+    def __len__(self) -> int:
+        return self._len
+
+
+class RowCollator:
+    """Pads (or, with packing, concatenates) encoded rows with trl's collator and keeps their rows.
+
+    Adds ``row_index`` (the rows of the micro-batch, in order) and, when packing, ``token_slot``: for every
+    token of the packed sequence, the position in ``row_index`` of the row it came from.
+    """
+
+    def __init__(self, pad_token_id: int, packing: bool) -> None:
+        self.packing = packing
+        self.inner = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=packing)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.inner([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
+        batch["row_index"] = torch.tensor([int(e["row_index"]) for e in examples], dtype=torch.long)
+        if self.packing:
+            lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.long)
+            batch["token_slot"] = torch.repeat_interleave(torch.arange(len(examples)), lengths)[None]
+        return batch
+
+
+# ------------------------------------------------------------------------------------- per-row numbers
+
+
+def row_sums(
+    output: Any, n_rows: int, *, labels: torch.Tensor | None = None, token_slot: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed next-token loss and supervised-token count, from one forward pass's output.
+
+    Uses the per-token log-probabilities of trl's fused LM head when present, else the logits and
+    ``labels``. Without ``token_slot`` row ``i`` is batch row ``i``; with it (packing), every shifted
+    token is credited to the row its target token came from.
+    """
+    log_probs = getattr(output, "log_probs", None)
+    mask = getattr(output, "label_mask", None)
+    if log_probs is not None and mask is not None:
+        nll = -log_probs.detach().float()  # already zero where the label is ignored
+    else:
+        logits = output["logits"] if isinstance(output, dict) else output.logits
+        if labels is None:
+            raise RuntimeError("per-row losses need the labels when the model returns logits")
+        shifted = labels[:, 1:].to(logits.device)
+        mask = shifted != IGNORE
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].detach().float().transpose(1, 2), shifted.clamp(min=0), reduction="none"
+        ).masked_fill(~mask, 0.0)
+    if token_slot is None:
+        return nll.sum(dim=1), mask.sum(dim=1)
+    slot = token_slot[:, 1:].to(nll.device).reshape(-1)
+    sums = torch.zeros(n_rows, dtype=nll.dtype, device=nll.device).index_add_(0, slot, nll.reshape(-1))
+    counts = torch.zeros(n_rows, dtype=torch.long, device=nll.device).index_add_(0, slot, mask.reshape(-1).long())
+    return sums, counts
+
+
+def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
+    """The encoded training (and validation, if any) rows as ``datasets.Dataset``s, row index kept."""
+    from datasets import Dataset
+
+    config = setup.ctx.config
+    training = setup.ctx.training
+    train = task.encode(training.rows, setup.tokenizer, config)
+    val_rows = list(getattr(training, "val_rows", None) or [])
+    val = task.encode(val_rows, setup.tokenizer, config) if val_rows else None
+    return Dataset.from_list(train), (Dataset.from_list(val) if val else None)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+class SoupTrainerMixin:
+    """Row order, per-row statistics, run events and controller actions for a transformers Trainer.
+
+    Put it before the trainer class in the bases (``class T(SoupTrainerMixin, SFTTrainer)``) and call
+    :meth:`soup_attach` once after construction.
+    """
+
+    #: Names a controller may change with SetCoefficient. SFT has none; other tasks list theirs.
+    soup_coefficients: tuple[str, ...] = ()
+
+    def soup_attach(self, setup: TrainerSetup) -> None:
+        self._soup = setup
+        self._soup_capture = False
+        self._soup_output: Any = None
+        self._soup_step_loss: torch.Tensor | None = None
+        self._soup_micro_step = -1  # the step the last micro-batch belonged to
+        self._soup_micro = -1
+        self._soup_emitted_step = -1
+        self._soup_tokens: Any = 0  # a device tensor once training starts: no host sync per micro-batch
+        self.soup_stop_reason: str | None = None
+        self.soup_last_metrics: dict[str, float] = {}
+        self.soup_rollbacks: list[str] = []
+        self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
+
+    @property
+    def soup_tokens_seen(self) -> int:
+        """Input tokens (padding excluded) of every training micro-batch so far, on this rank."""
+        return int(self._soup_tokens)
+
+    # -------------------------------------------------------------------- row order
+
+    def _soup_epoch(self) -> int:
+        # The trainer state's epoch is a float (completed epochs + fraction); at the start of an epoch's
+        # iteration it is exactly the number of epochs done, also after resuming from a checkpoint.
+        return int(math.floor((self.state.epoch or 0.0) + 1e-9))
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        sampler = RowOrderBatchSampler(
+            len(self.train_dataset),
+            batch_size=self.args.per_device_train_batch_size,
+            seed=self._soup.data_seed,
+            rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+            epoch_fn=self._soup_epoch,
+        )
+        loader = DataLoader(
+            self.train_dataset,
+            batch_sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        prepared = self.accelerator.prepare(loader)
+        # The sampler is rank-aware already: make accelerate's shard wrapper a pass-through.
+        wrapper = getattr(prepared, "batch_sampler", None)
+        if wrapper is not None and getattr(wrapper, "batch_sampler", None) is sampler:
+            wrapper.num_processes = 1
+            wrapper.process_index = 0
+        return prepared
+
+    # -------------------------------------------------------------------- per-row statistics
+
+    def _soup_keep_output(self, module: Any, args: Any, output: Any) -> None:
+        if self._soup_capture:
+            self._soup_output = output
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rows = inputs.pop("row_index", None)
+        slots = inputs.pop("token_slot", None)
+        training = self.model.training
+        want_rows = training and rows is not None and self._soup.ctx.events.has_recorders
+        self._soup_capture, self._soup_output = want_rows, None
+        try:
+            result = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        finally:
+            self._soup_capture = False
+        if training:
+            step = self.state.global_step + 1
+            if step != self._soup_micro_step:
+                self._soup_micro_step, self._soup_micro = step, 0
+            else:
+                self._soup_micro += 1
+            mask = inputs.get("attention_mask")
+            self._soup_tokens = self._soup_tokens + (mask.sum() if mask is not None else inputs["input_ids"].numel())
+            if want_rows:
+                output, self._soup_output = self._soup_output, None
+                if output is None:
+                    raise RuntimeError("per-row statistics: the model's forward output was not seen")
+                self._soup_emit_micro_batch(step, output, rows, slots, inputs.get("labels"))
+        return result
+
+    def _soup_emit_micro_batch(self, step: int, output: Any, rows: torch.Tensor, slots: Any, labels: Any) -> None:
+        sums, counts = row_sums(output, len(rows), labels=labels, token_slot=slots)
+        sums_l, counts_l = sums.tolist(), [int(c) for c in counts.tolist()]
+        losses = tuple(s / c if c else float("nan") for s, c in zip(sums_l, counts_l, strict=True))
+        ctx = self._soup.ctx
+        ctx.events.micro_batch(
+            MicroBatch(
+                step=step,
+                micro=self._soup_micro,
+                rows=tuple(int(r) for r in rows.tolist()),
+                row_loss=losses,
+                row_tokens=tuple(counts_l),
+                rank=ctx.rank,
+            )
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        detached = loss.detach().float()
+        self._soup_step_loss = detached if self._soup_step_loss is None else self._soup_step_loss + detached
+        return loss
+
+    # -------------------------------------------------------------------- optimizer steps, controllers
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ):
+        step = self.state.global_step
+        # Also called at each epoch's end with no new step: emit once per step that trained.
+        if step != self._soup_emitted_step and step == self._soup_micro_step:
+            self._soup_emitted_step = step
+            self._soup_after_step(step, grad_norm, learning_rate)
+        return super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
+
+    def _soup_after_step(self, step: int, grad_norm: Any, learning_rate: Any) -> None:
+        metrics: dict[str, float] = {}
+        loss = self._soup_step_loss
+        self._soup_step_loss = None
+        if loss is not None:
+            if self.accelerator.num_processes > 1:
+                loss = self.accelerator.reduce(loss.to(self.args.device), reduction="mean")
+            metrics["loss"] = float(loss)
+        if learning_rate is not None:
+            metrics["learning_rate"] = float(learning_rate)
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        self.soup_last_metrics = metrics
+        ctx = self._soup.ctx
+        if ctx.rank == 0:
+            ctx.log_metrics(step, dict(metrics))
+            if self._soup.progress is not None:
+                self._soup.progress.update(step, metrics, self.soup_tokens_seen)
+        actions = ctx.events.optimizer_step(OptimizerStep(step=step, metrics=dict(metrics), rank=ctx.rank))
+        for action in actions:
+            self._soup_apply(action)
+
+    def _soup_say(self, message: str) -> None:
+        if self._soup.ctx.rank == 0:
+            self._soup.ctx.report(message)
+
+    def _soup_apply(self, action: Any) -> None:
+        if isinstance(action, Stop):
+            self.control.should_training_stop = True
+            self.soup_stop_reason = action.reason or "stopped by a controller"
+            self._soup_say(f"Stopping at step {self.state.global_step}: {self.soup_stop_reason}")
+        elif isinstance(action, SetCoefficient):
+            current = getattr(self, action.name, None) if action.name in self.soup_coefficients else None
+            if current is None or isinstance(current, bool) or not isinstance(current, (int, float)):
+                names = ", ".join(self.soup_coefficients) or "none"
+                raise BackendError(
+                    f"a controller asked to set coefficient {action.name!r}, which the "
+                    f"{self._soup.ctx.task.name} trainer does not have (it has: {names})"
+                )
+            setattr(self, action.name, type(current)(action.value))
+            self._soup_say(f"Set {action.name} = {action.value} at step {self.state.global_step}")
+        elif isinstance(action, Rollback):
+            self._soup_rollback(action)
+        else:
+            raise BackendError(f"unknown controller action {action!r}")
+
+    def _soup_rollback(self, action: Rollback) -> None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        checkpoint = action.checkpoint or get_last_checkpoint(self.args.output_dir)
+        if checkpoint is None or not Path(checkpoint).is_dir():
+            raise BackendError(
+                f"a controller asked to roll back at step {self.state.global_step}, but there is no "
+                f"checkpoint{f' {checkpoint}' if checkpoint else ''} to roll back to; set training.save_steps"
+            )
+        self._load_from_checkpoint(checkpoint)
+        self._load_optimizer_and_scheduler(checkpoint)
+        self.soup_rollbacks.append(str(checkpoint))
+        reason = f" ({action.reason})" if action.reason else ""
+        self._soup_say(f"Rolled back model and optimizer to {checkpoint} at step {self.state.global_step}{reason}")
+
+
+class SoupSFTTrainer(SoupTrainerMixin, SFTTrainer):
+    """trl's SFTTrainer with the core's row order, per-row statistics and run events."""
+
+    @classmethod
+    def from_setup(cls, setup: TrainerSetup, train_dataset: Any, eval_dataset: Any) -> SoupSFTTrainer:
+        collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
+        trainer = cls(
+            model=setup.model,
+            args=setup.args,
+            data_collator=collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=setup.tokenizer,
+        )
+        trainer.soup_attach(setup)
+        return trainer
+
+
+class EvalMetricsCallback(TrainerCallback):
+    """Sends evaluation metrics to the tracker (``ctx.log_metrics``) and the user."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.ctx.rank != 0 or not metrics:
+            return
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.ctx.log_metrics(state.global_step, numbers)
+        if "eval_loss" in numbers:
+            self.ctx.report(f"eval at step {state.global_step}: loss {numbers['eval_loss']:.4f}")

@@ -1,0 +1,145 @@
+"""Shared fixtures for the core's tests.
+
+Light at import (no torch): tests that check the CLI stays light share this file. Fixtures that need
+torch import it when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Two shared cores: more threads than one per process makes torch slower, not faster.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def torch_one_thread():
+    """Import torch with one intra-op thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
+    """The tiny Llama (hidden 64, 2 layers) and its tokenizer, built once per session in a temp cache
+    (never under ~/.soup)."""
+    from soup_core.tiny import tiny_model_dir as build
+
+    return build(tmp_path_factory.mktemp("soup-home") / "tiny")
+
+
+class ListRecorder:
+    """A recorder that keeps every event it receives."""
+
+    name = "list"
+
+    def __init__(self) -> None:
+        self.starts: list[Any] = []
+        self.micro: list[Any] = []
+        self.steps: list[Any] = []
+        self.ends: list[Any] = []
+
+    def on_run_start(self, event: Any) -> None:
+        self.starts.append(event)
+
+    def on_micro_batch(self, event: Any) -> None:
+        self.micro.append(event)
+
+    def on_optimizer_step(self, event: Any) -> None:
+        self.steps.append(event)
+
+    def on_run_end(self, event: Any) -> None:
+        self.ends.append(event)
+
+
+def chat_rows(n: int) -> list[dict[str, Any]]:
+    """Chat rows whose text names their own position (``row 7``), of varied lengths."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"row {i} asks: what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"row {i} answers {2 * i}." + " and more" * (i % 4)},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def sft_run(tmp_path: Path, tiny_model_dir: Path):
+    """A factory: ``sft_run(rows=..., data={...}, training={...}, recorders=..., controllers=...)`` returns
+    ``(prepared_run, recorder)`` for the built-in transformers backend and sft task, with a validated
+    config, the real data pipeline and the model loaded through the backend's model-loading hook."""
+    from soup_core.backends.transformers import TransformersBackend
+    from soup_core.backends.transformers import plugin as backend_plugin
+    from soup_core.config import validate_config
+    from soup_core.data import BUILTIN_FORMATS, build_training_list
+    from soup_core.run_context import RunContext
+    from soup_core.run_events import RunEvents
+    from soup_core.tasks import SFTTask
+
+    counter = {"n": 0}
+
+    def make(
+        rows: list[dict[str, Any]] | None = None,
+        *,
+        data: dict[str, Any] | None = None,
+        training: dict[str, Any] | None = None,
+        base: str | None = None,
+        output: Path | None = None,
+        resume_from: str | None = None,
+        recorders: list[Any] | None = None,
+        controllers: list[Any] | None = None,
+        metrics: list[Any] | None = None,
+        reports: list[str] | None = None,
+    ):
+        counter["n"] += 1
+        data_file = write_jsonl(tmp_path / f"train{counter['n']}.jsonl", rows if rows is not None else chat_rows(12))
+        mapping = {
+            "base": base or str(tiny_model_dir),
+            "output": str(output or tmp_path / f"out{counter['n']}"),
+            "data": {"train": str(data_file), "max_length": 64, **(data or {})},
+            "training": {"max_steps": 2, "batch_size": 4, "logging_steps": 1, **(training or {})},
+        }
+        config = validate_config(mapping)
+        training_list = build_training_list(config.data, formats={f.name: f for f in BUILTIN_FORMATS})
+        recorder = ListRecorder()
+        task = SFTTask()
+        ctx = RunContext(
+            config=config,
+            run_id=f"test-{counter['n']}",
+            output_dir=Path(config.output),
+            training=training_list,
+            task=task,
+            events=RunEvents(
+                recorders=[(r, "test") for r in (recorders if recorders is not None else [recorder])],
+                controllers=[(c, "test") for c in (controllers or [])],
+            ),
+            load_model=lambda: backend_plugin.soup_load_model(config=config, backend="transformers", task=task),
+            log_metrics=(lambda step, m: metrics.append((step, m))) if metrics is not None else (lambda s, m: None),
+            resume_from=resume_from,
+            report=(reports.append if reports is not None else (lambda message: None)),
+        )
+        return TransformersBackend().prepare(ctx), recorder
+
+    return make
+
+
+@pytest.fixture
+def make_chat_rows():
+    """The function that makes chat rows naming their own index (see :func:`chat_rows`)."""
+    return chat_rows
