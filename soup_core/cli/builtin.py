@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from soup_core.cli.init_cmd import init
+from soup_core.cli.merge_cmd import merge
 from soup_core.cli.plugins_cmd import plugins_app
 from soup_core.cli.quickstart_cmd import quickstart
 from soup_core.cli.train_cmd import TRAIN_HELP, train
@@ -19,5 +20,6 @@ def soup_register_commands() -> list[Command]:
                 "with zero input: the fastest way to see Soup work."),
         Command(name="init", target=init, help="Write a starter soup.yaml that validates as written."),
         Command(name="train", target=train, help=TRAIN_HELP),
+        Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
     ]

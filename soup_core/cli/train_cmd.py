@@ -108,6 +108,9 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
             console.print("    " + escape(line))
     console.print(f"  output: {escape(str(plan.output_dir))}")
     if dry_run:
+        from soup_core.run import token_length_summary
+
+        console.print("  " + escape(token_length_summary(config, plan, plugins=plugins)))
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
     try:
@@ -118,6 +121,6 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
         if "--debug" in sys.argv or __import__("os").environ.get("SOUP_DEBUG") == "1":
             raise
-        return fail(f"run failed: {type(exc).__name__}: {exc} (set SOUP_DEBUG=1 for the traceback)")
+        return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
     console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
     return 0

@@ -1,0 +1,46 @@
+"""``soup merge``: fold a trained LoRA adapter into its base model and write a plain model folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def merge(
+    adapter: Path = typer.Argument(..., help="The adapter folder a LoRA run wrote (its output dir)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Where to write the merged model (new or empty)."),
+    base: str | None = typer.Option(None, "--base", help="The base model; default: the one the adapter "
+                                    "records (base_model_name_or_path in adapter_config.json)."),
+) -> None:
+    """Merge a LoRA adapter into its base model (in fp32, no rounding added) and save a model folder that
+    transformers loads without peft.
+
+    Exit codes: 0 merged; 1 not an adapter folder, base not found, or output not empty."""
+    from rich.markup import escape
+
+    from soup_core.ui import console, err_console
+
+    def fail(message: str) -> None:
+        err_console.print(f"[bold red]error:[/] {escape(message)}")
+        raise typer.Exit(1)
+
+    config_file = adapter / "adapter_config.json"
+    if not config_file.is_file():
+        fail(f"{adapter} holds no LoRA adapter (adapter_config.json is missing). A run with "
+             "training.lora.r: 0 saves a full model, which needs no merge.")
+    if base is None:
+        try:
+            base = json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError) as exc:
+            fail(f"cannot read {config_file}: {exc}")
+        if not base:
+            fail(f"{config_file} does not say which base model it belongs to; pass --base")
+    from soup_core.backends.transformers.loading import BackendError, merge_adapter
+
+    try:
+        out = merge_adapter(base, adapter, output)
+    except (BackendError, OSError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"Merged {escape(str(adapter))} into {escape(str(base))} → {escape(str(out))}")
