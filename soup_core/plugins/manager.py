@@ -250,12 +250,17 @@ class PluginSet:
         self._cheap_probes(info)
 
     def _collect(self, plugin: str) -> dict[str, list[Any]]:
+        # registration hooks are called per plugin (not through pluggy's fan-out) so that a failure, or
+        # a duplicate, is attributed to the one plugin that caused it
+        trace = os.environ.get("SOUP_TRACE_HOOKS") == "1"
         staged: dict[str, list[Any]] = {}
         for hook_name in [h for h, *_ in _REGISTRATIONS] + ["soup_register_support", "soup_register_probes"]:
             items: list[Any] = []
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name == plugin:
                     items.extend(impl.function() or ())
+                    if trace:
+                        print(f"[hook] {hook_name}: {plugin} registered {len(items)}", file=sys.stderr)
             staged[hook_name] = items
         return staged
 
