@@ -373,3 +373,12 @@ def test_finished_rows_are_never_reconciled(tracker: Tracker) -> None:
     tracker.finish_run(run_id, "completed")
     _set_row(tracker, run_id, pid=_dead_pid())
     assert tracker.get_run(run_id).status == "completed"  # type: ignore[union-attr]
+
+
+def test_a_launcher_can_choose_the_run_id(tmp_path) -> None:
+    from soup_core.tracker import Tracker, new_run_id
+
+    tracker = Tracker(tmp_path / "db.sqlite")
+    chosen = new_run_id()
+    got = tracker.start_run(name=None, task="sft", backend="transformers", base_model="m", config={}, run_id=chosen)
+    assert got == chosen and tracker.get_run(chosen).status == "running"

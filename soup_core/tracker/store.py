@@ -255,9 +255,14 @@ class Tracker:
         config: Mapping[str, Any],
         output_dir: str | os.PathLike[str] | None = None,
         resumed_from: str | None = None,
+        run_id: str | None = None,
     ) -> str:
-        """Record a new ``running`` run (with this process's pid and host); returns its id."""
-        run_id, started = _new_id_and_time()  # started_at is the id's own time, so both sort alike
+        """Record a new ``running`` run (with this process's pid and host); returns its id.
+
+        ``run_id`` is given by a launcher that picked the id before starting the processes of a
+        distributed run (:func:`new_run_id`); otherwise a new one is made."""
+        new_id, started = _new_id_and_time()  # started_at is the id's own time, so both sort alike
+        run_id = run_id or new_id
         with self._write(create=True) as conn:
             assert conn is not None
             conn.execute(
