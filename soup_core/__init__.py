@@ -65,6 +65,7 @@ _LAZY = {
     "datasets_for": "soup_core.backends.transformers.trainer",
     "BackendError": "soup_core.backends.transformers.loading",
     "resolve_target_modules": "soup_core.backends.transformers.loading",
+    "resolve_dtype": "soup_core.backends.transformers.loading",
     "apply_lora": "soup_core.backends.transformers.loading",
     "load_model_and_tokenizer": "soup_core.backends.transformers.loading",
     "encode_rows": "soup_core.tasks.sft",

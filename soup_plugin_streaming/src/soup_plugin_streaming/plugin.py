@@ -1,0 +1,260 @@
+"""The ``streaming`` plugin's hooks: config fields, support row, pre-flight refusals, probes, model loading.
+
+Import-light: this module is imported at every CLI start, so torch, transformers and bitsandbytes are
+imported only inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator
+from soup_core import ConfigField, LoadedModel, PreflightReport, Probe, ProbeResult, Support, hookimpl, probes
+
+SOUP_HOOK_API = (1, 1)
+
+NAME = "streaming"
+FIX_INSTALL = "pip install soup-plugin-streaming"
+#: Architectures verified bit-exact (kept in step with runtime.SUPPORTED_ARCHITECTURES by a test; this
+#: copy lets the pre-flight refuse without importing torch).
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+def _check_buffers(value: int) -> int:
+    if value == 1:
+        raise ValueError(
+            "1 buffer cannot overlap loading the next layer with computing this one "
+            "(the layer in use would be "
+            "overwritten); use 2 (the default) to 8"
+        )
+    if not 2 <= value <= 8:
+        raise ValueError(f"must be between 2 and 8, got {value}")
+    return value
+
+
+StreamBuffers = Annotated[int, AfterValidator(_check_buffers)]
+
+#: path -> (annotation, default, description)
+FIELDS: dict[str, tuple[Any, Any, str]] = {
+    "training.stream_layers": (
+        bool,
+        False,
+        "Stream the frozen base one decoder layer at a time (LoRA only), bit-exact against a resident run.",
+    ),
+    "training.stream_buffers": (
+        StreamBuffers,
+        2,
+        "Layer buffers (2..8): one computes while the next loads.",
+    ),
+    "training.stream_source": (
+        Literal["auto", "ram", "disk"],
+        "auto",
+        "Where streamed layers are served from: ram, disk, or auto (ram when it fits with a margin).",
+    ),
+    "training.stream_pin": (
+        Literal["auto"] | bool,
+        "auto",
+        "CUDA only: pin the host copy of the layers (auto: try, fall back to pageable with a notice).",
+    ),
+}
+SUB_FIELDS = ("training.stream_buffers", "training.stream_source", "training.stream_pin")
+
+
+@hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    return [
+        ConfigField(path, annotation, default, description)
+        for path, (annotation, default, description) in FIELDS.items()
+    ]
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    return [Support(backend="transformers", task="sft", fields=frozenset(FIELDS))]
+
+
+# ---------------------------------------------------------------------------------------------- probes
+
+
+def _bitsandbytes_installed() -> ProbeResult:
+    return probes.distribution("bitsandbytes", fix="pip install bitsandbytes")
+
+
+def _nf4_round_trip() -> ProbeResult:
+    """Deep: bitsandbytes quantises and dequantises NF4 on this machine's training device."""
+    import torch
+
+    from soup_plugin_streaming import nf4
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=generator)
+    for nested in (True, False):
+        back = nf4.roundtrip(weight, nested=nested, device=device)
+        if back.shape != weight.shape or back.dtype != weight.dtype:
+            return ProbeResult(
+                False, f"bitsandbytes NF4 returned {back.dtype}{list(back.shape)} for a 64x128 weight"
+            )
+        error = float((back - weight).abs().max() / weight.abs().max())
+        if not error < 0.2:  # NF4 keeps 16 levels per block: the error is a fraction of the block's scale
+            return ProbeResult(
+                False, f"bitsandbytes NF4 round trip on {device} is off by {error:.3f} of the scale"
+            )
+    return ProbeResult(True, detail=f"NF4 quantise/dequantise works on {device}")
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    return [
+        Probe("bitsandbytes installed", _bitsandbytes_installed, deep=False),
+        Probe("bitsandbytes NF4 round trip", _nf4_round_trip, deep=True),
+    ]
+
+
+# ------------------------------------------------------------------------------------------- pre-flight
+
+
+def _value(config: Any, path: str, default: Any = None) -> Any:
+    node = config
+    for part in path.split("."):
+        node = getattr(node, part, default)
+    return node
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return isinstance(value, bool) == isinstance(default, bool) and value == default
+
+
+def _task_capabilities(task: str) -> frozenset[str] | None:
+    from soup_core import load_plugins
+
+    cls = load_plugins().tasks.get(task)
+    return None if cls is None else frozenset(getattr(cls, "capabilities", ()) or ())
+
+
+def _local_model_type(base: str) -> str | None:
+    config = Path(os.path.expanduser(base)) / "config.json"
+    try:
+        return str(json.loads(config.read_text(encoding="utf-8")).get("model_type") or "") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def refusals(config: Any) -> list[tuple[str, str]]:
+    """(reason, fix) for everything in ``config`` that streaming cannot do, or cannot do exactly."""
+    out: list[tuple[str, str]] = []
+    if not _value(config, "training.stream_layers", False):
+        stray = [p for p in SUB_FIELDS if not _is_default(_value(config, p), FIELDS[p][1])]
+        if stray:
+            out.append(
+                (
+                    f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} set, "
+                    "but training.stream_layers is "
+                    "false, so nothing would stream",
+                    "set training.stream_layers: true, or remove " + ", ".join(stray),
+                )
+            )
+        return out
+    if config.backend != "transformers":
+        out.append(
+            (
+                f"layer streaming runs on the transformers backend, not {config.backend!r}",
+                "set backend: transformers",
+            )
+        )
+    caps = _task_capabilities(config.task)
+    if caps is not None and "streamable" not in caps:
+        out.append(
+            (
+                f"task {config.task!r} does not offer the 'streamable' capability, "
+                "so its trainer has not been "
+                "shown to train a streamed model exactly",
+                "set training.stream_layers: false for this task",
+            )
+        )
+    if int(_value(config, "training.lora.r", 8)) < 1:
+        out.append(
+            (
+                "training.lora.r: 0 (full fine-tuning) cannot stream: "
+                "streaming keeps the base frozen and re-reads "
+                "it every step, so there is nowhere to keep the base's updates",
+                "set training.lora.r to 1 or more, or training.stream_layers: false",
+            )
+        )
+    if _value(config, "data.packing", False):
+        out.append(
+            (
+                "data.packing: true is not supported with streaming (packed batches have not been verified "
+                "bit-exact against a resident run)",
+                "set data.packing: false",
+            )
+        )
+    quant = str(_value(config, "training.quantization", "none"))
+    if quant not in ("none", "4bit"):
+        out.append(
+            (
+                f"training.quantization: {quant} cannot stream; only none and 4bit (NF4) can",
+                "use none or 4bit",
+            )
+        )
+    if _value(config, "training.gradient_checkpointing", False):
+        out.append(
+            (
+                "training.gradient_checkpointing: true would recompute every layer a second time: streaming "
+                "already checkpoints each layer itself",
+                "set training.gradient_checkpointing: false (streaming saves that memory anyway)",
+            )
+        )
+    model_type = _local_model_type(str(config.base))
+    if model_type is not None and model_type not in ARCHITECTURES:
+        out.append(
+            (
+                f"architecture {model_type!r} cannot stream (supported: {', '.join(ARCHITECTURES)})",
+                "set training.stream_layers: false to train it resident",
+            )
+        )
+    return out
+
+
+@hookimpl
+def soup_preflight(config: Any) -> PreflightReport | None:
+    found = refusals(config)
+    if found:
+        reason = "; ".join(r for r, _ in found)
+        fix = "; ".join(f for _, f in found)
+        return PreflightReport(title="layer streaming", refusal=reason, fix=fix)
+    t = config.training
+    if not t.stream_layers:
+        return None
+    lines = [
+        f"streaming the base layer by layer through {t.stream_buffers} buffers; source {t.stream_source}"
+        + (" (decided when the layer store is opened)" if t.stream_source == "auto" else ""),
+    ]
+    if str(t.quantization) == "4bit":
+        result = probes.run_probe(_nf4_round_trip)
+        if not result.ok:
+            return PreflightReport(
+                title="layer streaming",
+                lines=lines,
+                refusal=f"NF4 streaming needs bitsandbytes: {result.reason}",
+                fix=result.fix or "pip install -U bitsandbytes",
+            )
+        lines.append(f"NF4 base, quantised once when the store is split ({result.detail})")
+    return PreflightReport(title="layer streaming", lines=lines)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@hookimpl
+def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
+    if backend != "transformers" or not getattr(config.training, "stream_layers", False):
+        return None
+    from soup_core import console
+
+    from soup_plugin_streaming.loader import load_streamed
+
+    return load_streamed(config, report=lambda line: console.print(line, markup=False, highlight=False))

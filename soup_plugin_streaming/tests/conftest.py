@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny checkpoints for every supported architecture, built once per session in a temp
+folder, and a private SOUP_HOME so nothing is written under ~/.soup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Two shared cores: one intra-op thread per process is faster than two fighting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def torch1():
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+@pytest.fixture(scope="session")
+def tokenizer(torch1):
+    from soup_core.tiny import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(vocab_size=300)
+
+
+#: name -> (arch, layers, tied)
+CHECKPOINTS = {
+    "llama": ("llama", 3, False),
+    "qwen2": ("qwen2", 2, False),
+    "mistral": ("mistral", 3, False),
+    "tied": ("llama", 2, True),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """Tiny checkpoints: llama (3 layers), qwen2 (q/k/v biases), mistral (sliding window 8), and a llama
+    with tied embeddings."""
+    from soup_plugin_streaming.testing import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        name: build_tiny_checkpoint(root / name, arch, layers=layers, tied=tied, tokenizer=tokenizer, seed=i)
+        for i, (name, (arch, layers, tied)) in enumerate(CHECKPOINTS.items())
+    }
+
+
+@pytest.fixture(scope="session")
+def store_root(tmp_path_factory) -> Path:
+    """One store cache for the session (stores are keyed by their settings, so tests share them)."""
+    return tmp_path_factory.mktemp("stores")
+
+
+@pytest.fixture(autouse=True)
+def _private_soup_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SOUP_HOME", str(tmp_path_factory.getbasetemp() / "soup-home"))
