@@ -170,6 +170,9 @@ class Recorder:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: False for a recorder that ignores micro-batch events: when no recorder wants them, a backend may
+    #: skip computing per-row statistics altogether.
+    wants_micro_batches: ClassVar[bool] = True
 
     def on_run_start(self, event: RunStart) -> None:
         """The run is set up; ``event`` carries its id, output dir, config, fingerprint and row count."""

@@ -44,12 +44,14 @@ class RunEvents:
 
     @property
     def has_recorders(self) -> bool:
-        """True while at least one recorder is still enabled (backends may skip per-row work if not)."""
-        return any(obs.enabled for obs in self._observers)
+        """True while at least one enabled recorder wants micro-batch events; when False, a backend may
+        skip computing per-row statistics (the tracker's recorder, which reads only step metrics, does
+        not count)."""
+        return any(obs.enabled and getattr(obs.recorder, "wants_micro_batches", True) for obs in self._observers)
 
-    def _fan_out(self, method: str, event: Any) -> None:
+    def _fan_out(self, method: str, event: Any, *, only_wanting: bool = False) -> None:
         for obs in self._observers:
-            if not obs.enabled:
+            if not obs.enabled or (only_wanting and not getattr(obs.recorder, "wants_micro_batches", True)):
                 continue
             if self.trace:
                 self.report(f"[hook] {obs.plugin}:{type(obs.recorder).__name__}.{method}")
@@ -68,7 +70,7 @@ class RunEvents:
             self._call_controller(controller, plugin, "on_run_start", event)
 
     def micro_batch(self, event: MicroBatch) -> None:
-        self._fan_out("on_micro_batch", event)
+        self._fan_out("on_micro_batch", event, only_wanting=True)
 
     def optimizer_step(self, event: OptimizerStep) -> list[ControllerAction]:
         """Report a finished step; returns the controllers' actions, in controller order."""

@@ -248,7 +248,7 @@ def test_discovery_loads_a_real_installed_distribution(tmp_path: Path) -> None:
     env = {"SOUP_HOME": str(tmp_path / "home")}
     assert run_soup(["hello"], env=env, extra_path=[site]).stdout.strip() == "hello from a plugin"
     version = run_soup(["--version"], env=env, extra_path=[site]).stdout
-    assert "plugins: hello 1.2.3" in version
+    assert "hello 1.2.3" in version.splitlines()[1]
     off = run_soup(["hello"], env={**env, "SOUP_DISABLE_PLUGINS": "hello"}, extra_path=[site])
     assert off.returncode == 2  # the command is gone: a usage error
     only = run_soup(["plugins", "list", "--json"], env={**env, "SOUP_LOAD_PLUGINS": ""}, extra_path=[site])

@@ -236,7 +236,7 @@ def test_evaluation_on_the_validation_rows_reaches_the_tracker(sft_run, make_cha
     evals = [(step, m["eval_loss"]) for step, m in metrics if "eval_loss" in m]
     assert [step for step, _ in evals] == [1, 2] and all(math.isfinite(v) for _, v in evals)
     assert all(r < 8 for e in recorder.micro for r in e.rows)  # validation rows never train
-    assert [step for step, m in metrics if "loss" in m] == [1, 2]
+    assert [e.step for e in recorder.steps if "loss" in e.metrics] == [1, 2]  # the tracker recorder's feed
 
 
 def test_progress_prints_one_line_per_logging_step_when_not_a_tty(sft_run, make_chat_rows):

@@ -96,5 +96,7 @@ def test_a_real_run_is_tracked(tiny_model_dir: Path, tmp_path: Path, monkeypatch
     assert run_train_command(config, overrides={}, dry_run=False) == 0
     [run] = Tracker().list_runs()
     assert run.status == "completed" and run.summary.get("steps") == 2
+    steps = Tracker().metrics(run.run_id)
+    assert [step for step, _ in steps] == [1, 2] and all("loss" in m for _, m in steps)  # written once each
     assert Path(run.config["data"]["train"]).is_absolute()
     assert (tmp_path / "out" / "soup_config.yaml").exists()

@@ -21,6 +21,7 @@ class TrackerRecorder(Recorder):
 
     name: ClassVar[str] = "tracker"
     description: ClassVar[str] = "Writes each optimizer step's metrics to the experiment tracker."
+    wants_micro_batches: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._run_id: str | None = None

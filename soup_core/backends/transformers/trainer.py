@@ -292,10 +292,9 @@ class SoupTrainerMixin:
             metrics["grad_norm"] = float(grad_norm)
         self.soup_last_metrics = metrics
         ctx = self._soup.ctx
-        if ctx.rank == 0:
-            ctx.log_metrics(step, dict(metrics))
-            if self._soup.progress is not None:
-                self._soup.progress.update(step, metrics, self.soup_tokens_seen)
+        # step metrics reach the tracker through its recorder (the OptimizerStep event below)
+        if ctx.rank == 0 and self._soup.progress is not None:
+            self._soup.progress.update(step, metrics, self.soup_tokens_seen)
         actions = ctx.events.optimizer_step(OptimizerStep(step=step, metrics=dict(metrics), rank=ctx.rank))
         for action in actions:
             self._soup_apply(action)

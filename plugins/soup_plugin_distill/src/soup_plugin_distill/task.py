@@ -1,0 +1,44 @@
+"""The ``distill`` task: the student trains on its own cross-entropy plus a divergence from a teacher.
+
+Rows are those of ``sft`` (chat, alpaca, prompt/completion, text), tokenised by the core's
+:func:`~soup_core.encode_rows`, so the supervised tokens (``data.train_on_responses_only``) are the same
+as for sft. Import-light: the trainer (torch, trl) is imported when a run builds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from soup_core import Backend, Task
+
+
+class DistillTask(Task):
+    """Knowledge distillation from a frozen teacher that shares the student's tokenizer."""
+
+    name = "distill"
+    description = "knowledge distillation from a teacher model (forward KL, reverse KL, Jensen-Shannon)"
+    data_keys = ("data.train",)
+    formats = ("chat", "alpaca", "prompt_completion", "text")
+    capabilities = frozenset({"per_row_losses"})
+
+    def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
+        """Encode rows as sft does (``data.max_length``, ``data.train_on_responses_only``), row index kept."""
+        from soup_core import encode_rows
+
+        return encode_rows(
+            rows,
+            tokenizer,
+            max_length=int(config.data.max_length),
+            train_on_responses_only=bool(config.data.train_on_responses_only),
+        )
+
+    def build(self, backend: Backend, context: Any) -> Any:
+        """The trainer for ``backend`` (transformers only); ``context`` is its trainer set-up."""
+        if backend.name != "transformers":
+            raise NotImplementedError(f"the distill task has no trainer for backend {backend.name!r}")
+        from soup_core import datasets_for
+        from soup_plugin_distill.trainer import DistillTrainer
+
+        train_dataset, eval_dataset = datasets_for(self, context)
+        return DistillTrainer.from_setup(context, train_dataset, eval_dataset)

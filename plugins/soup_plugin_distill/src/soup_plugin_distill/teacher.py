@@ -1,0 +1,141 @@
+"""Loading the teacher once, frozen, and checking that it speaks the student's vocabulary.
+
+Light at module level: transformers is imported inside the loader. The cheap checks (does the folder
+exist, do two local folders' ``config.json`` agree on the vocabulary size) run in the pre-flight, before
+any data or model is loaded; the loaded models are checked again at set-up, which also covers hub ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` is meant as a folder rather than a hub id (``name`` or ``org/name``)."""
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or os.path.isdir(name)
+
+
+def local_folder(name: str) -> Path | None:
+    """The folder ``name`` names, or None for a hub id."""
+    path = Path(os.path.expanduser(name))
+    return path if looks_local(name) or path.is_dir() else None
+
+
+def config_vocab_size(name: str) -> int | None:
+    """The ``vocab_size`` in a local model folder's ``config.json`` (None: not a local folder, or unknown)."""
+    folder = local_folder(name)
+    if folder is None:
+        return None
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    size = data.get("vocab_size") if isinstance(data, dict) else None
+    if size is None and isinstance(data, dict) and isinstance(data.get("text_config"), dict):
+        size = data["text_config"].get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def vocab_mismatch_message(teacher: str, teacher_size: int, student: str, student_size: int) -> str:
+    return (
+        f"training.teacher_model: the teacher {teacher!r} predicts over {teacher_size} tokens "
+        "but the student "
+        f"{student!r} over {student_size}; distillation compares the two next-token distributions token by "
+        "token, so both models must share one tokenizer and vocabulary. Use a teacher of the student's model "
+        "family (same tokenizer and vocabulary size)"
+    )
+
+
+def output_vocab_size(model: Any) -> int:
+    """How many logits the model produces per position (its output embedding's rows, else its config)."""
+    head = None
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    weight = getattr(head, "weight", None)
+    if weight is not None and getattr(weight, "ndim", 0) == 2:
+        return int(weight.shape[0])
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None)
+    if size is None and config is not None and hasattr(config, "get_text_config"):
+        size = getattr(config.get_text_config(), "vocab_size", None)
+    if size is None:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}")
+    return int(size)
+
+
+def load_teacher(name: str, *, dtype: Any, device: Any, error: type[Exception] = RuntimeError) -> Any:
+    """Load the teacher from a local folder or a hub id: eval mode, every parameter frozen, on ``device``.
+
+    Errors the user can fix are raised as ``error`` with what, where and how to fix it.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    folder = local_folder(name)
+    if folder is not None and not folder.is_dir():
+        raise error(
+            f"training.teacher_model: model folder {name!r} does not exist; "
+            "give the folder of a trained model "
+            "or a hub model id"
+        )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading bars would interleave with the run's progress lines
+    try:
+        teacher = AutoModelForCausalLM.from_pretrained(
+            str(folder) if folder is not None else name, dtype=dtype
+        )
+    except (OSError, ValueError) as exc:
+        raise error(
+            f"training.teacher_model: cannot load the teacher {name!r}: {exc}. "
+            "Check the folder or hub id (and "
+            "that you are online for a hub id that is not cached)"
+        ) from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher.to(device)
+
+
+def check_vocabulary(
+    student: Any, teacher: Any, *, student_name: str, teacher_name: str, error: type[Exception] = RuntimeError
+) -> int:
+    """Refuse a teacher whose logits do not cover the student's vocabulary one to one; returns the size."""
+    student_size, teacher_size = output_vocab_size(student), output_vocab_size(teacher)
+    if student_size != teacher_size:
+        raise error(vocab_mismatch_message(teacher_name, teacher_size, student_name, student_size))
+    return student_size
+
+
+def check_tokenizer(
+    student_tokenizer: Any, teacher_name: str, *, error: type[Exception] = RuntimeError
+) -> None:
+    """When the teacher's folder has a tokenizer of its own, refuse one that maps tokens to other ids than
+    the student's: equal sizes with a different vocabulary would distil nonsense silently."""
+    folder = local_folder(teacher_name)
+    if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError):
+        return  # no usable tokenizer beside the weights: the vocabulary-size check is what we have
+    mine, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if mine == theirs:
+        return
+    differing = sorted(t for t in set(mine) | set(theirs) if mine.get(t) != theirs.get(t))
+    example = differing[0]
+    raise error(
+        f"training.teacher_model: the teacher's tokenizer in {teacher_name!r} differs from the student's: "
+        f"{len(differing)} tokens map to other ids (e.g. {example!r}: student {mine.get(example)}, teacher "
+        f"{theirs.get(example)}); distillation needs both models to share one tokenizer. "
+        "Use a teacher trained "
+        "with the student's tokenizer"
+    )
