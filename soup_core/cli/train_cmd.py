@@ -97,6 +97,11 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))
     except RunRefused as exc:
         return fail(str(exc))
+    from soup_core.run import dist_env
+
+    rank, _ = dist_env()
+    if rank != 0:  # under torchrun, rank 0 speaks for the run
+        console.quiet = True
     console.print(f"[bold]soup train[/] {escape(str(config_path))}: task [cyan]{config.task}[/], backend "
                   f"[cyan]{config.backend}[/], base [cyan]{escape(config.base)}[/]")
     for line in plan.lines:
