@@ -278,6 +278,12 @@ class SoupTrainerMixin:
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
 
+    def soup_step_metrics(self) -> dict[str, float]:
+        """Extra metrics of the step that just finished, merged into the optimizer-step event (so
+        recorders, the tracker and controllers see them). A task's trainer overrides this seam; only real,
+        measured numbers belong here."""
+        return {}
+
     def _soup_after_step(self, step: int, grad_norm: Any, learning_rate: Any) -> None:
         metrics: dict[str, float] = {}
         loss = self._soup_step_loss
@@ -290,6 +296,7 @@ class SoupTrainerMixin:
             metrics["learning_rate"] = float(learning_rate)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
+        metrics.update(self.soup_step_metrics())
         self.soup_last_metrics = metrics
         ctx = self._soup.ctx
         # step metrics reach the tracker through its recorder (the OptimizerStep event below)
