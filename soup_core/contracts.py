@@ -100,7 +100,9 @@ class DataFormat(NamedTuple):
 class Task:
     """A training objective. Subclass, set the class attributes, and implement :meth:`build`.
 
-    - ``data_keys``: the config data paths the task reads (``data.train`` for sft).
+    - ``data_keys``: the config data paths the task reads (``data.train`` for sft); the first is the
+      *training list* whose row indices the run events carry. ``optional_data_keys`` lists those of
+      them the user may leave out.
     - ``formats``: the data formats it accepts.
     - ``capabilities``: what it offers other plugins (``per_row_losses``, ``streamable``, ...).
     """
@@ -108,6 +110,7 @@ class Task:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     data_keys: ClassVar[tuple[str, ...]] = ("data.train",)
+    optional_data_keys: ClassVar[tuple[str, ...]] = ()
     formats: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[frozenset[str]] = frozenset()
 

@@ -147,8 +147,10 @@ def execute(
             if rank == 0:
                 tracker.log_metrics(run_id, step, metrics)
 
+        # the task's first data key is its training list: the rows the run events index
+        first_key = task.data_keys[0].split(".", 1)[1] if task.data_keys else "train"
         context = RunContext(
-            config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get("train"),
+            config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get(first_key),
             task=task, events=events, load_model=load_model, log_metrics=log_metrics, rank=rank,
             world_size=world_size, resume_from=config.training.resume_from, report=report,
             extra={"data": plan.data, "plugins": plugins},

@@ -402,8 +402,9 @@ def _registry_issues(
         return issues
 
     data_keys = tuple(getattr(schema.tasks[task], "data_keys", ()) or ())
+    optional = set(getattr(schema.tasks[task], "optional_data_keys", ()) or ())
     for key in data_keys:
-        if not _touches(key, failed) and _get_path(data, key) in (_MISSING, None):
+        if key not in optional and not _touches(key, failed) and _get_path(data, key) in (_MISSING, None):
             issues.append(ConfigIssue(key, f"required by task '{task}'"))
 
     honoured = schema.support.get((backend, task))

@@ -48,8 +48,6 @@ def rebuild(config: dict[str, Any] | None, fingerprint: Any, output_dir: Path | 
     if not config:
         return Rebuilt(None, "Preview withheld: no saved config for this log, so its data set cannot be rebuilt.")
     data = config.get("data")
-    if not isinstance(data, dict) or not data.get("train"):
-        return Rebuilt(None, "Preview withheld: the saved config names no data.train to rebuild.")
     try:
         import soup_core
 
@@ -57,14 +55,18 @@ def rebuild(config: dict[str, Any] | None, fingerprint: Any, output_dir: Path | 
         formats = dict(plugins.data_formats.items())
         task_cls = plugins.tasks.get(config.get("task") or "sft")
         accepted = getattr(task_cls, "formats", None) or None
+        keys = getattr(task_cls, "data_keys", None) or ("data.train",)
+        key = keys[0].split(".", 1)[1]  # the task's training list: the rows the log's indices name
         build = soup_core.build_training_list
         data_error: type[Exception] = soup_core.DataError
     except Exception as exc:  # noqa: BLE001 - previews are optional; the ranking still prints
         return Rebuilt(None, f"Preview withheld: cannot load the data pipeline: {type(exc).__name__}: {exc}")
+    if not isinstance(data, dict) or not data.get(key):
+        return Rebuilt(None, f"Preview withheld: the saved config names no data.{key} to rebuild.")
     problem = ""
     for base in _base_dirs(config, output_dir):
         try:
-            training = build(data, formats=formats, base_dir=base, accepted=accepted)
+            training = build(data, formats=formats, base_dir=base, key=key, accepted=accepted)
         except data_error as exc:
             fix = getattr(exc, "fix", "")
             problem = f"Preview withheld: cannot rebuild the data set: {exc}" + (f" ({fix})" if fix else "")

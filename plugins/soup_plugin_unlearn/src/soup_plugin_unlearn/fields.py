@@ -1,0 +1,156 @@
+"""The unlearn task's config fields, defaults and support-table row. Import-light (pydantic types only).
+
+Every default is written here once and shown by ``soup plugins list`` / the config docs through the field
+descriptions. ``unlearn_alpha: 0`` means exactly zero: the retain term is not computed at all.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from soup_core.contracts import ConfigField
+
+TASK = "unlearn"
+METHODS = ("npo", "simnpo", "rmu")
+
+#: β when ``training.unlearn_beta`` is not set: NPO's paper value, and SimNPO's (Fan et al., 2024).
+DEFAULT_BETA = {"npo": 0.1, "simnpo": 2.5}
+DEFAULT_ALPHA = 1.0
+DEFAULT_GAMMA = 0.0
+#: RMU's steering coefficient c (Li et al., 2024 use 6.5 on a 7B model; its activations scale with width).
+DEFAULT_RMU_COEFF = 6.5
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+LayerIndex = Annotated[int, Field(ge=0)]
+StepCount = Annotated[int, Field(ge=1)]
+
+FIELDS: tuple[ConfigField, ...] = (
+    ConfigField(
+        "data.forget",
+        str | None,
+        None,
+        "Rows to forget (task unlearn, required there): a .jsonl/.json/.csv file or a folder, in any core "
+        "format (chat, alpaca, prompt/completion, text). Relative to the config's folder.",
+    ),
+    ConfigField(
+        "data.retain",
+        str | None,
+        None,
+        "Rows to keep (task unlearn, optional): the retain loss is computed on them. Without it the run "
+        "trains on the forget loss alone (a warning says so).",
+    ),
+    ConfigField(
+        "training.unlearn_method",
+        Literal["npo", "simnpo", "rmu"],
+        "npo",
+        "Unlearning objective: npo (negative preference optimisation against the starting model), simnpo "
+        "(length-normalised, no reference) or rmu (steer one layer's activations to a random direction).",
+    ),
+    ConfigField(
+        "training.unlearn_alpha",
+        NonNegativeFloat,
+        DEFAULT_ALPHA,
+        "Weight of the retain loss (cross-entropy for npo/simnpo, activation distance for rmu). 0 trains on "
+        "the forget loss alone: the retain term is not computed.",
+    ),
+    ConfigField(
+        "training.unlearn_beta",
+        PositiveFloat | None,
+        None,
+        "β of npo and simnpo (the inverse temperature of the sigmoid). Unset: 0.1 for npo, 2.5 for simnpo.",
+    ),
+    ConfigField(
+        "training.unlearn_gamma",
+        float,
+        DEFAULT_GAMMA,
+        "γ of simnpo: the per-token log-likelihood margin. Default 0.",
+    ),
+    ConfigField(
+        "training.unlearn_rmu_layer",
+        LayerIndex | None,
+        None,
+        "rmu: the decoder layer (0-based) whose output is steered. Unset: the middle one (layers // 2).",
+    ),
+    ConfigField(
+        "training.unlearn_rmu_coeff",
+        PositiveFloat,
+        DEFAULT_RMU_COEFF,
+        "rmu: the steering coefficient c; forget activations are pushed toward c·u, u a fixed random unit "
+        "vector drawn from training.seed. Default 6.5.",
+    ),
+    ConfigField(
+        "training.unlearn_eval_steps",
+        StepCount | None,
+        None,
+        "Measure forget-set and retain-set loss every N optimizer steps (always at the start and the end).",
+    ),
+)
+
+#: The core fields the unlearn trainer honours (a subset of the sft row: no data.train, no packing, no
+#: training.eval_steps — evaluation is the forget/retain measurement, paced by unlearn_eval_steps).
+CORE_FIELDS: frozenset[str] = frozenset(
+    {
+        "data.format",
+        "data.val_split",
+        "data.seed",
+        "data.max_length",
+        "data.train_on_responses_only",
+        "data.on_bad_row",
+        "training.epochs",
+        "training.max_steps",
+        "training.learning_rate",
+        "training.batch_size",
+        "training.gradient_accumulation_steps",
+        "training.scheduler",
+        "training.warmup_ratio",
+        "training.weight_decay",
+        "training.max_grad_norm",
+        "training.seed",
+        "training.dtype",
+        "training.quantization",
+        "training.bnb_4bit_use_double_quant",
+        "training.gradient_checkpointing",
+        "training.lora.r",
+        "training.lora.alpha",
+        "training.lora.dropout",
+        "training.lora.target_modules",
+        "training.save_steps",
+        "training.logging_steps",
+        "training.resume_from",
+        "training.report_to",
+    }
+)
+
+HONOURED: frozenset[str] = CORE_FIELDS | {f.path for f in FIELDS}
+
+
+def resolved(training: Any) -> dict[str, Any]:
+    """The method's parameters with every default filled in (what the trainer uses and the plan prints)."""
+    method = str(training.unlearn_method)
+    out: dict[str, Any] = {"method": method, "alpha": float(training.unlearn_alpha)}
+    if method in DEFAULT_BETA:
+        beta = training.unlearn_beta
+        out["beta"] = float(DEFAULT_BETA[method] if beta is None else beta)
+    if method == "simnpo":
+        out["gamma"] = float(training.unlearn_gamma)
+    if method == "rmu":
+        out["rmu_layer"] = training.unlearn_rmu_layer  # None: the middle layer, known once the model is
+        out["rmu_coeff"] = float(training.unlearn_rmu_coeff)
+    return out
+
+
+def describe(params: dict[str, Any]) -> str:
+    """One line: ``npo: β=0.1, retain weight α=1.0``."""
+    parts = []
+    if "beta" in params:
+        parts.append(f"β={params['beta']:g}")
+    if "gamma" in params:
+        parts.append(f"γ={params['gamma']:g}")
+    if "rmu_coeff" in params:
+        layer = params.get("rmu_layer")
+        parts.append(f"layer {'middle' if layer is None else layer}, c={params['rmu_coeff']:g}")
+    parts.append(f"retain weight α={params['alpha']:g}")
+    return f"{params['method']}: " + ", ".join(parts)

@@ -1,0 +1,97 @@
+"""The ``unlearn`` plugin: the task, its config fields and support row, probes, pre-flight and the
+``soup unlearn`` command group.
+
+Registration is cheap (DESIGN.md §3): this module imports the core's contracts only; the config types,
+the command's module (typer) and the trainer (torch) are imported by the hooks and methods that need them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from soup_core import (
+    Command,
+    ConfigField,
+    PreflightReport,
+    Probe,
+    ProbeResult,
+    Support,
+    hookimpl,
+    probes,
+)
+from soup_plugin_unlearn.task import UnlearnTask
+
+#: Hook-API versions this plugin supports (min, max).
+SOUP_HOOK_API = (1, 1)
+
+_TRAIN_EXTRA = 'pip install "soup-core[train]"'
+
+
+@hookimpl
+def soup_register_tasks() -> list[type]:
+    return [UnlearnTask]
+
+
+@hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    from soup_plugin_unlearn.fields import FIELDS
+
+    return list(FIELDS)
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    from soup_plugin_unlearn.fields import HONOURED, TASK
+
+    return [Support(backend="transformers", task=TASK, fields=HONOURED)]
+
+
+@hookimpl
+def soup_register_commands() -> list[Command]:
+    from soup_plugin_unlearn.cli import HELP, app
+
+    return [Command(name="unlearn", target=app, help=HELP)]
+
+
+def _stack() -> ProbeResult:
+    for dist in ("torch", "transformers", "peft"):
+        result = probes.distribution(dist, fix=_TRAIN_EXTRA)
+        if not result.ok:
+            return result
+    return ProbeResult(True, detail="torch, transformers, peft installed")
+
+
+def _seams() -> ProbeResult:
+    """Deep: the objects the unlearn trainer relies on have the seams it uses."""
+    from peft import PeftModel
+    from transformers import Trainer
+
+    if not probes.has_attribute(PeftModel, "disable_adapter"):
+        return ProbeResult(
+            False,
+            "peft's PeftModel has no disable_adapter (the reference model needs it)",
+            "pip install 'peft>=0.17'",
+        )
+    for attr in ("compute_loss", "training_step", "loss_is_scaled_for_ga"):
+        if not probes.has_attribute(Trainer, attr):
+            return ProbeResult(
+                False, f"the installed transformers Trainer has no {attr}", "pip install 'transformers>=5,<6'"
+            )
+    return ProbeResult(True)
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    return [
+        Probe("training stack installed", _stack, deep=False, scope="task:unlearn"),
+        Probe("peft adapter switch and Trainer seams", _seams, deep=True, scope="task:unlearn"),
+    ]
+
+
+@hookimpl
+def soup_preflight(config: Any) -> PreflightReport | None:
+    if getattr(config, "task", None) != "unlearn":
+        return None
+    from soup_plugin_unlearn.preflight import check
+
+    return check(config)

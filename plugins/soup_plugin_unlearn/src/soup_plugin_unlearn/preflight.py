@@ -1,0 +1,69 @@
+"""Checks of an unlearn config before data or a model are loaded (also under ``--dry-run``).
+
+A parameter the chosen method does not use is refused, not silently ignored (the upstream tool read
+``unlearn_alpha: 0`` as 1 and ignored ``target_modules``; here every value set is a value used).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from soup_core.contracts import PreflightReport
+from soup_plugin_unlearn.fields import DEFAULT_GAMMA, DEFAULT_RMU_COEFF, describe, resolved
+
+RETAIN_MISSING = (
+    "data.retain is not set: training on the forget loss alone, so nothing holds the rest of the model's "
+    "knowledge in place; add data.retain to keep it"
+)
+
+
+def _unused(config: Any) -> list[tuple[str, str]]:
+    """(field, the methods that use it) for every method parameter set but not used by the chosen method."""
+    t = config.training
+    method = t.unlearn_method
+    found = []
+    if t.unlearn_beta is not None and method == "rmu":
+        found.append(("training.unlearn_beta", "npo and simnpo"))
+    if t.unlearn_gamma != DEFAULT_GAMMA and method != "simnpo":
+        found.append(("training.unlearn_gamma", "simnpo"))
+    if t.unlearn_rmu_layer is not None and method != "rmu":
+        found.append(("training.unlearn_rmu_layer", "rmu"))
+    if t.unlearn_rmu_coeff != DEFAULT_RMU_COEFF and method != "rmu":
+        found.append(("training.unlearn_rmu_coeff", "rmu"))
+    return found
+
+
+def check(config: Any) -> PreflightReport:
+    """The plan lines for an unlearn run, or a refusal with its fix."""
+    title = "unlearn"
+    if getattr(config.data, "train", None):
+        return PreflightReport(
+            title,
+            refusal="data.train is set, but task unlearn does not read it: it trains on data.forget "
+            "(the rows to forget) and data.retain (the rows to keep)",
+            fix="remove data.train (put rows the model must keep in data.retain)",
+        )
+    if int(config.training.lora.r) == 0:
+        return PreflightReport(
+            title,
+            refusal="task unlearn trains a LoRA adapter: the starting model (NPO's reference, RMU's frozen "
+            "activations, the evaluation baseline) is the base with the adapter switched off, so no second "
+            "copy of the model is held; training.lora.r: 0 leaves no adapter to switch off",
+            fix="set training.lora.r above 0 (e.g. 8)",
+        )
+    unused = _unused(config)
+    if unused:
+        method = config.training.unlearn_method
+        listed = "; ".join(f"{path} is used by {users} only" for path, users in unused)
+        return PreflightReport(
+            title,
+            refusal=f"training.unlearn_method is {method}, and {listed}",
+            fix="remove " + ", ".join(path for path, _ in unused) + " (or choose the method that uses it)",
+        )
+    params = resolved(config.training)
+    lines = [f"method {describe(params)}"]
+    if getattr(config.data, "retain", None) is None:
+        lines.append("warning: " + RETAIN_MISSING)
+    elif params["alpha"] == 0:
+        lines.append("unlearn_alpha is 0: the retain rows are evaluated but not trained on")
+    return PreflightReport(title, lines=lines)

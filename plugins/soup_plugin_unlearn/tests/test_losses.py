@@ -1,0 +1,159 @@
+"""Each unlearning loss equals its closed form on fixed inputs, and its gradient stays finite in fp32 and
+bf16 at extreme β (with a control showing that the naive formula does not)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+POLICY = [-3.0, -10.0, -0.5, -42.0]
+REF = [-2.0, -1.0, -4.0, -40.0]
+LENGTHS = [3, 5, 1, 0]  # the last row has no supervised token
+
+
+def _npo_closed(policy, ref, beta):
+    # −log σ(−βr) = log(1 + e^{βr}), in float64
+    terms = [math.log1p(math.exp(beta * (p - r))) for p, r in zip(policy, ref, strict=True)]
+    return (2 / beta) * sum(terms) / len(terms)
+
+
+def _simnpo_closed(policy, lengths, beta, gamma):
+    pairs = zip(policy, lengths, strict=True)
+    terms = [math.log1p(math.exp(beta * (p / max(n, 1) - gamma))) for p, n in pairs]
+    return (2 / beta) * sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0, 2.5])
+def test_npo_equals_its_closed_form(torch_one_thread, beta):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import npo_loss
+
+    got = npo_loss(torch.tensor(POLICY), torch.tensor(REF), beta)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(_npo_closed(POLICY, REF, beta), rel=1e-6)
+    # control: β is really used (the upstream tool fixed it at 0.1) and the reference really subtracted
+    assert got.item() != pytest.approx(_npo_closed(POLICY, REF, 0.1 if beta != 0.1 else 1.0), rel=1e-3)
+    assert got.item() != pytest.approx(_npo_closed(POLICY, [0.0] * 4, beta), rel=1e-3)
+
+
+def test_npo_gradient_is_two_sigmoid_over_n(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import npo_loss
+
+    policy = torch.tensor(POLICY, dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor(REF, dtype=torch.float64, requires_grad=True)
+    npo_loss(policy, ref, 0.5).backward()
+    expected = [2 / (1 + math.exp(-0.5 * (p - r))) / len(POLICY) for p, r in zip(POLICY, REF, strict=True)]
+    assert policy.grad.tolist() == pytest.approx(expected, rel=1e-6)
+    assert ref.grad is None  # the reference is detached: no gradient flows into it
+
+
+@pytest.mark.parametrize(("beta", "gamma"), [(2.5, 0.0), (0.5, -1.0), (1.0, 0.3)])
+def test_simnpo_equals_its_closed_form(torch_one_thread, beta, gamma):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import simnpo_loss
+
+    got = simnpo_loss(torch.tensor(POLICY), torch.tensor(LENGTHS), beta, gamma)
+    assert got.item() == pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, gamma), rel=1e-6)
+    # control: without the length normalisation the value differs
+    assert got.item() != pytest.approx(_simnpo_closed(POLICY, [1, 1, 1, 1], beta, gamma), rel=1e-3)
+    # γ is used
+    assert got.item() != pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, gamma + 0.5), rel=1e-3)
+
+
+def test_sequence_logps_and_token_nll_match_a_hand_computation(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import predicting_mask, sequence_logps, token_nll
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=gen)
+    labels = torch.tensor([[-100, -100, 3, 4, 1], [-100, 2, -100, -100, -100]])
+    logps, counts = sequence_logps(logits, labels)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    # row 0: positions 1, 2, 3 predict labels 3, 4, 1; row 1: position 0 predicts label 2
+    want0 = logp[0, 1, 3] + logp[0, 2, 4] + logp[0, 3, 1]
+    want1 = logp[1, 0, 2]
+    assert counts.tolist() == [3, 1]
+    assert logps.tolist() == pytest.approx([want0.item(), want1.item()], rel=1e-6)
+    assert token_nll(logits, labels).item() == pytest.approx(-(want0 + want1).item() / 4, rel=1e-6)
+    assert predicting_mask(labels).tolist() == [
+        [False, True, True, True, False],
+        [True, False, False, False, False],
+    ]
+
+
+def test_control_vector_is_a_seeded_unit_direction_scaled_by_the_coefficient(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import control_vector
+
+    c = control_vector(16, 6.5, seed=3)
+    assert c.norm().item() == pytest.approx(6.5, rel=1e-6)
+    assert torch.equal(c, control_vector(16, 6.5, seed=3))
+    assert not torch.equal(c, control_vector(16, 6.5, seed=4))  # control: the seed matters
+    assert torch.allclose(control_vector(16, 2.0, seed=3) * 3.25, c)  # the same direction, rescaled
+
+
+def test_rmu_terms_equal_their_closed_forms(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import rmu_forget_loss, rmu_retain_loss
+
+    gen = torch.Generator().manual_seed(1)
+    acts = torch.randn(2, 3, 4, generator=gen)
+    frozen = torch.randn(2, 3, 4, generator=gen)
+    mask = torch.tensor([[True, False, True], [False, False, True]])
+    control = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    on = [(0, 0), (0, 2), (1, 2)]
+
+    def closed(target):
+        total = 0.0
+        for b, t in on:
+            tgt = target[b, t] if target.dim() == 3 else target
+            total += sum((acts[b, t, h].item() - tgt[h].item()) ** 2 for h in range(4)) / 4
+        return total / len(on)
+
+    assert rmu_forget_loss(acts, mask, control).item() == pytest.approx(closed(control), rel=1e-6)
+    assert rmu_retain_loss(acts, frozen, mask).item() == pytest.approx(closed(frozen), rel=1e-6)
+    # control: the mask is applied (all positions give another number)
+    everywhere = torch.ones_like(mask)
+    assert rmu_forget_loss(acts, everywhere, control).item() != pytest.approx(closed(control), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("beta", [1e-6, 1e4])
+def test_gradients_stay_finite_at_extreme_beta(torch_one_thread, dtype, beta):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import npo_loss, simnpo_loss
+
+    dt = getattr(torch, dtype)
+    policy = torch.tensor([-300.0, -0.01, -5000.0, 20.0], dtype=dt, requires_grad=True)
+    ref = torch.tensor([-1.0, -600.0, -2.0, -20.0], dtype=dt)
+    lengths = torch.tensor([3, 1, 200, 0])
+    for loss in (npo_loss(policy, ref, beta), simnpo_loss(policy, lengths, beta, 0.5)):
+        policy.grad = None
+        loss.backward()
+        assert torch.isfinite(loss).item(), loss
+        assert policy.grad.dtype == dt and torch.isfinite(policy.grad).all().item(), policy.grad
+
+
+def test_control_the_naive_formula_overflows_where_ours_does_not(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import npo_loss
+
+    policy = torch.tensor([20.0], dtype=torch.bfloat16, requires_grad=True)
+    ref = torch.tensor([-20.0], dtype=torch.bfloat16)
+    beta = 1e4
+    naive = (2 / beta) * torch.log(1 + torch.exp(beta * (policy - ref)))  # what an unguarded version computes
+    assert not torch.isfinite(naive).all().item()
+    assert torch.isfinite(npo_loss(policy, ref, beta)).item()
+
+
+@pytest.mark.parametrize("beta", [0.0, -1.0, float("nan"), float("inf")])
+def test_beta_must_be_a_positive_finite_number(torch_one_thread, beta):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import npo_loss, simnpo_loss
+
+    with pytest.raises(ValueError, match="beta"):
+        npo_loss(torch.zeros(1), torch.zeros(1), beta)
+    with pytest.raises(ValueError, match="beta"):
+        simnpo_loss(torch.zeros(1), torch.ones(1), beta, 0.0)
