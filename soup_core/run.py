@@ -153,7 +153,7 @@ def execute(
             config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get(first_key),
             task=task, events=events, load_model=load_model, log_metrics=log_metrics, rank=rank,
             world_size=world_size, resume_from=config.training.resume_from, report=report,
-            extra={"data": plan.data, "plugins": plugins},
+            extra={"data": plan.data, "plugins": plugins, "base_dir": plan.base_dir},
         )
         backend = plugins.backends[config.backend]()
         try:

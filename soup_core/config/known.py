@@ -27,6 +27,8 @@ KNOWN_FIELDS: dict[str, str] = {
     "training.rewind_log": "soup-plugin-rewind",
     "training.grpo_variant": "soup-plugin-rl",
     "training.num_generations": "soup-plugin-rl",
+    "training.grpo_iterations": "soup-plugin-rl",
+    "training.max_completion_length": "soup-plugin-rl",
     "training.beta": "soup-plugin-rl",
     "training.reward_fn": "soup-plugin-rl",
     "training.reward_hack_*": "soup-plugin-rl",

@@ -1,0 +1,168 @@
+"""From one step's published statistics to a vote in [0, 1] and a verdict.
+
+Each signal turns its raw statistic (see :mod:`soup_plugin_rl.hack.signals`) into a value in [0, 1],
+where 0 is healthy:
+
+- ``info_rm``: health = the separation; value = drop = ``max(0, (baseline − health) / baseline)``.
+- ``rm_ensemble``: health = ``1 / (1 + divergence)``; value = its drop from the baseline, likewise.
+- ``length_trend``: value = ``clamp((length − baseline) / baseline, 0, 1)`` (completions growing).
+- ``repetition``: value = the repetition share itself (already in [0, 1]; no baseline).
+
+A baseline is the mean of a signal's first ``baseline_steps`` positive observations; until it is set the
+signal has no value. The vote is the mean (or max) of the values present, smoothed over judged steps;
+the verdict is ``hack`` at or above ``hack_at``, ``warn`` at or above ``warn_at``, else ``ok``. Without
+the detector's own value there is no verdict: ``baseline`` while its baseline is being set,
+``no_signal`` when the step published no statistic for it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from soup_plugin_rl.hack import signals as sig
+from soup_plugin_rl.hack.config import HackSettings
+from soup_plugin_rl.hack.laws import clamp
+
+RAW_KEY = {
+    "info_rm": sig.SEPARATION,
+    "rm_ensemble": sig.DIVERGENCE,
+    "length_trend": sig.LENGTH_MEAN,
+    "repetition": sig.REPETITION,
+}
+
+#: Verdicts under which a checkpoint saved at that step counts as good.
+GOOD_VERDICTS = frozenset({"ok", "warn", "baseline"})
+
+
+def health(name: str, raw: float) -> float:
+    """The health a drop is measured on (higher is healthier)."""
+    if name == "info_rm":
+        return raw
+    if name == "rm_ensemble":
+        return 1.0 / (1.0 + raw)
+    return raw  # length_trend: the length itself
+
+
+def drop(baseline: float, value: float) -> float:
+    """Relative fall from the baseline, in [0, 1] for non-negative health."""
+    return clamp((baseline - value) / baseline, 0.0, 1.0)
+
+
+@dataclass
+class Baseline:
+    """The mean of the first ``steps`` positive observations."""
+
+    steps: int
+    seen: list[float] = field(default_factory=list)
+
+    @property
+    def value(self) -> float | None:
+        return math.fsum(self.seen) / len(self.seen) if len(self.seen) >= self.steps else None
+
+    def feed(self, observation: float) -> bool:
+        """Take an observation while the baseline is open; True if it was taken."""
+        if self.value is None and observation > 0:
+            self.seen.append(observation)
+            return True
+        return False
+
+
+@dataclass
+class Smoother:
+    """``none``, ``ema`` (α = 2/(window+1), seeded with the first vote) or ``median`` (of the last window)."""
+
+    kind: str
+    window: int
+    last: float | None = None
+    recent: deque[float] = field(default_factory=deque)
+
+    def __call__(self, vote: float) -> float:
+        if self.kind == "ema":
+            alpha = 2.0 / (self.window + 1)
+            self.last = vote if self.last is None else alpha * vote + (1 - alpha) * self.last
+            return self.last
+        if self.kind == "median":
+            self.recent.append(vote)
+            while len(self.recent) > self.window:
+                self.recent.popleft()
+            return float(statistics.median(self.recent))
+        return vote
+
+
+class Reading:
+    """One step's reading: raw statistics, each signal's value (None: none this step), vote and verdict."""
+
+    __slots__ = ("raw", "values", "vote", "smoothed", "verdict")
+
+    def __init__(
+        self,
+        raw: dict[str, float | None],
+        values: dict[str, float | None],
+        vote: float | None,
+        smoothed: float | None,
+        verdict: str,
+    ) -> None:
+        self.raw, self.values, self.vote, self.smoothed, self.verdict = raw, values, vote, smoothed, verdict
+
+
+def _finite(metrics: Mapping[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+class Detector:
+    """Turns each step's metrics into a :class:`Reading` (stateful: baselines and smoothing)."""
+
+    def __init__(self, settings: HackSettings) -> None:
+        self.s = settings
+        self.names = settings.active_signals
+        self.baselines = {n: Baseline(settings.baseline_steps) for n in self.names if n != "repetition"}
+        self.smoother = Smoother(settings.smoothing, settings.smoothing_window)
+
+    def baseline(self, name: str) -> float | None:
+        base = self.baselines.get(name)
+        return base.value if base is not None else None
+
+    def read(self, metrics: Mapping[str, Any]) -> Reading:
+        raw = {name: _finite(metrics, RAW_KEY[name]) for name in self.names}
+        values: dict[str, float | None] = {}
+        for name in self.names:
+            x = raw[name]
+            if x is None:
+                values[name] = None
+            elif name == "repetition":
+                values[name] = clamp(x, 0.0, 1.0)
+            else:
+                h = health(name, x)
+                base = self.baselines[name]
+                if base.feed(h) or base.value is None:
+                    values[name] = None  # still setting the baseline
+                elif name == "length_trend":
+                    values[name] = clamp((h - base.value) / base.value, 0.0, 1.0)
+                else:
+                    values[name] = drop(base.value, h)
+        detector = self.s.detector
+        if values.get(detector) is None:
+            verdict = "no_signal" if raw.get(detector) is None else "baseline"
+            return Reading(raw, values, None, None, verdict)
+        present = [v for v in values.values() if v is not None]
+        vote = max(present) if self.s.vote == "max" else math.fsum(present) / len(present)
+        smoothed = self.smoother(vote)
+        if smoothed >= self.s.hack_at:
+            verdict = "hack"
+        elif smoothed >= self.s.warn_at:
+            verdict = "warn"
+        else:
+            verdict = "ok"
+        return Reading(raw, values, vote, smoothed, verdict)

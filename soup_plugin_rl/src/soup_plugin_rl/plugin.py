@@ -1,0 +1,234 @@
+"""The ``rl`` plugin: GRPO and its variants, and the preference tasks, through trl.
+
+Registration is cheap (DESIGN.md §3): nothing here imports torch or trl at module level. Deep probes
+(scoped ``task:<name>``) find each task's trl classes and check what they accept; the pre-flight check
+resolves the GRPO variant against the installed trl and checks the reward functions, before any data or
+model is loaded (also under ``--dry-run``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from soup_core import ConfigField, DataFormat, PreflightReport, Probe, ProbeResult, Support, hookimpl, probes
+from soup_plugin_rl import hack
+from soup_plugin_rl.formats import FORMATS
+from soup_plugin_rl.tasks import TASKS, VARIANT_NAMES
+
+#: Hook-API versions this plugin supports (min, max).
+SOUP_HOOK_API = (1, 1)
+
+TASK_NAMES = tuple(t.name for t in TASKS)
+PREFERENCE_TASKS = ("dpo", "ipo", "bco", "kto", "cpo", "simpo", "orpo")
+
+GrpoVariant = Literal[VARIANT_NAMES]  # type: ignore[valid-type]
+
+
+class Ge:
+    """A lower bound for a numeric config field, applied by pydantic when the config is validated. (The
+    ``annotated_types`` equivalent costs tens of milliseconds at import, paid by every ``soup`` start.)"""
+
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        schema = handler(source)
+        schema["ge"] = self.bound
+        return schema
+
+
+FIELDS: list[ConfigField] = [
+    ConfigField(
+        "training.grpo_variant",
+        GrpoVariant,
+        "grpo",
+        "grpo task: the policy loss — " + ", ".join(VARIANT_NAMES) + " (see the rl plugin's README).",
+    ),
+    ConfigField(
+        "training.num_generations",
+        Annotated[int, Ge(2)],
+        4,
+        "grpo task: completions generated per prompt (a group); advantages are relative within a group.",
+    ),
+    ConfigField(
+        "training.beta",
+        Annotated[float, Ge(0)],
+        0.1,
+        "grpo: the KL coefficient against the reference (0 drops the KL term); dpo/ipo/bco/kto/cpo/simpo: "
+        "the loss's β; orpo: λ, the odds-ratio weight. A controller may change it during a run.",
+    ),
+    ConfigField(
+        "training.reward_fn",
+        str | list[str],
+        "accuracy",
+        "grpo task: reward function(s) — accuracy (exact match against the row's answer), format "
+        "(<think>…</think><answer>…</answer>), length (shorter is better), or path/to/file.py:function.",
+    ),
+    ConfigField(
+        "training.grpo_iterations",
+        Annotated[int, Ge(1)],
+        1,
+        "grpo task: optimisation passes over each generated batch (trl's num_iterations, μ).",
+    ),
+    ConfigField(
+        "training.max_completion_length",
+        Annotated[int, Ge(1)],
+        256,
+        "grpo task: the most tokens generated per completion.",
+    ),
+]
+
+_GRPO_FIELDS = frozenset(
+    {
+        "training.grpo_variant",
+        "training.num_generations",
+        "training.beta",
+        "training.reward_fn",
+        "training.grpo_iterations",
+        "training.max_completion_length",
+    }
+)
+
+
+def _core_fields(task: str) -> frozenset[str]:
+    from soup_core import HONOURED_FIELDS
+
+    # Preference and GRPO examples are built by trl from the rows: there is no response-only switch and no
+    # packing; GRPO prompts are not truncated (the installed GRPOConfig has no prompt length to set).
+    fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing"}
+    if task in ("grpo", "ppo"):
+        fields.discard("data.max_length")
+    return frozenset(fields)
+
+
+@hookimpl
+def soup_register_tasks() -> list[type]:
+    return list(TASKS)
+
+
+@hookimpl
+def soup_register_data_formats() -> list[DataFormat]:
+    return list(FORMATS)
+
+
+@hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    return [*FIELDS, *hack.config_fields()]
+
+
+@hookimpl
+def soup_register_controllers() -> list[type]:
+    return hack.controllers()
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    rows = []
+    for task in TASK_NAMES:
+        own = (
+            _GRPO_FIELDS if task == "grpo" else frozenset({"training.beta"}) if task != "ppo" else frozenset()
+        )
+        if task in hack.RL_TASKS:  # the reward-hack controller's tunables apply to the live-reward tasks
+            own = own | frozenset(hack.FIELD_PATHS)
+        rows.append(Support(backend="transformers", task=task, fields=_core_fields(task) | own))
+    return rows
+
+
+def _task_probe(task: str):
+    def check():
+        from soup_plugin_rl.capabilities import probe_task
+
+        return probe_task(task)
+
+    check.__name__ = f"probe_{task}"
+    return check
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    checks = [Probe("trl installed", _trl_present)]
+    checks += [
+        Probe(f"trl {task}", _task_probe(task), deep=True, scope=f"task:{task}") for task in TASK_NAMES
+    ]
+    return checks
+
+
+def _trl_present() -> ProbeResult:
+    """Cheap: trl, peft and datasets are installed (nothing imported)."""
+    fix = "pip install 'soup-core[train]'"
+    for dist in ("trl", "peft", "datasets"):
+        result = probes.distribution(dist, fix=fix)
+        if not result.ok:
+            return result
+    return ProbeResult(True, detail=f"trl {probes.distribution_version('trl')}")
+
+
+# ------------------------------------------------------------------------------------------ pre-flight
+
+
+def preflight_lines(config: Any) -> PreflightReport | None:
+    """The rl part of the plan, or a refusal (what, and how to fix it)."""
+    task = config.task
+    if task not in TASK_NAMES or task == "ppo":
+        return None
+    t = config.training
+    title = f"rl: {task}"
+    if task in PREFERENCE_TASKS:
+        if t.beta <= 0:
+            return PreflightReport(
+                title,
+                refusal=f"task {task} needs training.beta above 0, got {t.beta}",
+                fix="set training.beta (0.1 is usual)",
+            )
+    reference = task in ("dpo", "ipo", "bco", "kto") or (task == "grpo" and t.beta > 0)
+    if reference and t.lora.r == 0:
+        return PreflightReport(
+            title,
+            refusal=f"task {task} compares against a reference model, which here is the base with the LoRA "
+            "adapter disabled; with training.lora.r: 0 there is no adapter to disable",
+            fix="set training.lora.r above 0" + (" (or training.beta: 0 for grpo)" if task == "grpo" else ""),
+        )
+    lines = []
+    if reference:
+        lines.append("reference: the base model with the LoRA adapter disabled")
+    if task != "grpo":
+        lines.append(f"β = {t.beta}; rewind: per-{'row' if task == 'kto' else 'pair'} losses")
+        return PreflightReport(title, lines)
+    from soup_plugin_rl.capabilities import TASK_NEEDS, CapabilityError, find_pair
+    from soup_plugin_rl.rewards import RewardError, check_spec, reward_specs
+    from soup_plugin_rl.variants import plan_variant
+
+    try:
+        trainer_cls, config_cls = find_pair(TASK_NEEDS["grpo"].pair)
+        plan = plan_variant(str(t.grpo_variant), trainer_cls, config_cls)
+    except CapabilityError as exc:
+        return PreflightReport(
+            title, refusal=str(exc), fix="choose another training.grpo_variant, or upgrade trl"
+        )
+    try:
+        specs = reward_specs(t.reward_fn)
+        for spec in specs:
+            check_spec(spec, Path.cwd())
+    except RewardError as exc:
+        return PreflightReport(title, refusal=str(exc), fix="fix training.reward_fn")
+    lines += [
+        f"variant {plan.variant.name}: {plan.variant.computes}",
+        f"  runs as: {plan.how}",
+        f"rewards: {', '.join(specs)}; {t.num_generations} completions per prompt, up to "
+        f"{t.max_completion_length} tokens; β = {t.beta}; {t.grpo_iterations} pass(es) per generation",
+        "rewind: off (GRPO reports no per-row losses)",
+    ]
+    return PreflightReport(title, lines)
+
+
+@hookimpl
+def soup_preflight(config: Any) -> PreflightReport | None:
+    own, extra = preflight_lines(config), hack.preflight(config)
+    if extra is None:
+        return own
+    if own is None or (extra.refusal and not own.refusal):
+        return extra
+    if not own.refusal:
+        own.lines += [f"{extra.title}: {line}" for line in extra.lines]
+    return own

@@ -1,0 +1,356 @@
+"""Shared fixtures: an isolated SOUP_HOME, the tiny models, and ``rl_run`` — a real in-process ``soup train``
+whose trainer, micro-batches and run events the test can inspect afterwards.
+
+``rl_run`` loads the built-ins, this plugin (through a capturing wrapper: every hook is the plugin's own,
+the tasks are subclasses whose ``build`` hands the built trainer to the test and records each training
+``compute_loss`` call with its inputs and forward outputs) and, when installed, the rewind plugin; it
+never reads the installed entry points, so an installed copy of this plugin is not loaded twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def soup_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path_factory.mktemp("soup_home")
+    monkeypatch.setenv("SOUP_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def torch_one_thread():
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
+    """The core's tiny Llama (hidden 64, 2 layers) and tokenizer, built once per session."""
+    from soup_core import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
+    """The tiny model with its end-of-text logit raised, so sampled completions end at varied lengths (a
+    random
+    1000-token model almost never samples the end token in 8 steps): the end token's output row points along
+    the mean final hidden state, scaled so that its logit is about 4 there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch = torch_one_thread
+    out = tmp_path_factory.mktemp("eos-model")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    texts = [f"Q{i}: what is {i} plus {i}? {2 * i} and then some more words" for i in range(8)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        hidden = model.model(**enc).last_hidden_state[enc["attention_mask"].bool()]
+        mean = hidden.mean(0)
+        model.lm_head.weight[tokenizer.eos_token_id] = mean / (mean @ mean) * 4.0
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+
+def preference_rows(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": f"Q{i}: what is {i} plus {i}?",
+            "chosen": f" {2 * i}.",
+            "rejected": f" {2 * i + 1}, or so" + " no" * (i % 3),
+        }
+        for i in range(n)
+    ]
+
+
+def labelled_rows(n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "prompt": f"Q{i}: what is {i} plus {i}?",
+            "completion": f" {2 * i + i % 2}" + " ok" * (i % 3),
+            "label": i % 2 == 0,
+        }
+        for i in range(n)
+    ]
+
+
+def prompt_rows(n: int) -> list[dict[str, Any]]:
+    return [{"prompt": f"Q{i}: what is {i} plus {i}?", "answer": str(2 * i)} for i in range(n)]
+
+
+ROWS_FOR = {
+    "dpo": preference_rows,
+    "ipo": preference_rows,
+    "bco": preference_rows,
+    "cpo": preference_rows,
+    "simpo": preference_rows,
+    "orpo": preference_rows,
+    "kto": labelled_rows,
+    "grpo": prompt_rows,
+    "ppo": prompt_rows,
+}
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+@dataclass
+class Events:
+    starts: list[Any] = field(default_factory=list)
+    micro: list[Any] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)
+    ends: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    code: int
+    trainers: list[Any]
+    calls: list[dict[str, Any]]  # one per training compute_loss: inputs, outputs (forward), loss
+    events: Events
+    output_dir: Path
+
+    @property
+    def trainer(self) -> Any:
+        assert len(self.trainers) == 1, (
+            f"expected one trainer, got {len(self.trainers)} (exit code {self.code})"
+        )
+        return self.trainers[0]
+
+
+def _wrap_compute_loss(trainer: Any, calls: list[dict[str, Any]]) -> None:
+    original = trainer.compute_loss
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not trainer.model.training:
+            return original(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        record: dict[str, Any] = {"inputs": dict(inputs), "outputs": [], "kwargs": []}
+
+        def keep(module, args, kwargs, output):
+            record["outputs"].append(output)
+            record["kwargs"].append(kwargs)
+
+        handle = trainer.model.register_forward_hook(keep, with_kwargs=True)
+        try:
+            loss = original(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        finally:
+            handle.remove()
+        record["loss"] = loss.detach().clone()
+        calls.append(record)
+        return loss
+
+    trainer.compute_loss = compute_loss
+
+
+def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]], events: Events) -> Any:
+    """The rl plugin's own hooks, with task subclasses that hand over their trainer, and a recorder."""
+    from soup_core import Recorder, hookimpl
+    from soup_plugin_rl import plugin as rl
+
+    def capturing(task_cls: type) -> type:
+        class Capturing(task_cls):  # type: ignore[misc, valid-type]
+            def build(self, backend, context):
+                trainer = super().build(backend, context)
+                trainers.append(trainer)
+                _wrap_compute_loss(trainer, calls)
+                return trainer
+
+        Capturing.__name__ = task_cls.__name__
+        return Capturing
+
+    class ListRecorder(Recorder):
+        name = "rl-test-list"
+
+        def on_run_start(self, event):
+            events.starts.append(event)
+
+        def on_micro_batch(self, event):
+            events.micro.append(event)
+
+        def on_optimizer_step(self, event):
+            events.steps.append(event)
+
+        def on_run_end(self, event):
+            events.ends.append(event)
+
+    class Plugin:
+        SOUP_HOOK_API = rl.SOUP_HOOK_API
+
+        @hookimpl
+        def soup_register_tasks(self):
+            return [capturing(t) for t in rl.soup_register_tasks()]
+
+        @hookimpl
+        def soup_register_data_formats(self):
+            return rl.soup_register_data_formats()
+
+        @hookimpl
+        def soup_register_config_fields(self):
+            return rl.soup_register_config_fields()
+
+        @hookimpl
+        def soup_register_support(self):
+            return rl.soup_register_support()
+
+        @hookimpl
+        def soup_register_probes(self):
+            return rl.soup_register_probes()
+
+        @hookimpl
+        def soup_preflight(self, config):
+            return rl.soup_preflight(config)
+
+        @hookimpl
+        def soup_register_recorders(self):
+            return [ListRecorder]
+
+    return Plugin()
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def use_plugins(
+    monkeypatch: pytest.MonkeyPatch,
+    trainers: list[Any],
+    calls: list[dict[str, Any]],
+    events: Events,
+    rewind: bool = False,
+) -> Any:
+    """Make ``soup_core.load_plugins()`` return the built-ins, the capturing rl plugin and (``rewind=True``)
+    the rewind plugin."""
+    import soup_core.plugins
+    from soup_core.testing import isolated_plugins
+
+    extra = [("rl", capturing_plugin(trainers, calls, events))]
+    if rewind:
+        rewind_plugin = pytest.importorskip("soup_plugin_rewind.plugin")
+        extra.append(("rewind", rewind_plugin))
+    plugins = isolated_plugins(*extra)
+    monkeypatch.setattr(soup_core.plugins, "load_plugins", lambda *a, **k: plugins)
+    return plugins
+
+
+def make_runner(root: Path, tiny_dir: Path) -> Callable[..., RunResult]:
+    """``run(task, rows=None, training={...}, data={...}, base=None, rewind=False, setup=None)``: a real
+    ``soup train`` (in-process, the CLI's own function) on the tiny model; returns what it captured.
+    ``setup(monkeypatch)`` may patch more for the duration of the run."""
+    counter = {"n": 0}
+
+    def run(
+        task: str,
+        rows: list[dict[str, Any]] | None = None,
+        *,
+        training: dict[str, Any] | None = None,
+        data: dict[str, Any] | None = None,
+        base: Path | None = None,
+        rewind: bool = False,
+        setup: Callable[[pytest.MonkeyPatch], None] | None = None,
+    ) -> RunResult:
+        import yaml
+
+        from soup_core.cli.train_cmd import run_train_command
+
+        counter["n"] += 1
+        folder = root / f"run{counter['n']}"
+        folder.mkdir(parents=True)
+        write_jsonl(folder / "train.jsonl", rows if rows is not None else ROWS_FOR[task](8))
+        config = {
+            "base": str(base or tiny_dir),
+            "task": task,
+            "output": str(folder / "out"),
+            "data": {"train": "train.jsonl", **(data or {})},
+            "training": {
+                "max_steps": 2,
+                "batch_size": 2,
+                "logging_steps": 1,
+                "learning_rate": 5e-3,
+                **(training or {}),
+            },
+        }
+        if task in ("dpo", "ipo", "bco", "kto", "cpo", "simpo", "orpo"):
+            config["data"].setdefault("max_length", 64)
+        (folder / "soup.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+        trainers: list[Any] = []
+        calls: list[dict[str, Any]] = []
+        events = Events()
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setenv("SOUP_HOME", str(root / "home"))
+            use_plugins(monkeypatch, trainers, calls, events, rewind=rewind)
+            if setup is not None:
+                setup(monkeypatch)
+            code = run_train_command(folder / "soup.yaml", overrides={}, dry_run=False)
+        return RunResult(code, trainers, calls, events, folder / "out")
+
+    return run
+
+
+@pytest.fixture
+def rl_run(tmp_path: Path, tiny_dir: Path, torch_one_thread) -> Callable[..., RunResult]:
+    """A fresh ``soup train`` per call (see :func:`make_runner`)."""
+    return make_runner(tmp_path, tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def shared_run(
+    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, torch_one_thread
+) -> Callable[..., RunResult]:
+    """Like ``rl_run``, but one run per distinct arguments for the whole session (tests that only inspect
+    a run share it; a test that changes the trainer must use ``rl_run``)."""
+    runner = make_runner(tmp_path_factory.mktemp("shared-runs"), tiny_dir)
+    cache: dict[str, RunResult] = {}
+
+    def run(task: str, **kwargs: Any) -> RunResult:
+        key = json.dumps(
+            [task, {k: v for k, v in kwargs.items() if k != "base"}, str(kwargs.get("base"))],
+            sort_keys=True,
+            default=str,
+        )
+        if key not in cache:
+            cache[key] = runner(task, **kwargs)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture
+def dry_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[[Path], tuple[int, str]]:
+    """``dry_run(config_path)`` → (exit code, stdout + stderr) of ``soup train --dry-run`` with this
+    plugin."""
+    from soup_core.cli.train_cmd import run_train_command
+
+    def run(path: Path) -> tuple[int, str]:
+        use_plugins(monkeypatch, [], [], Events())
+        code = run_train_command(path, overrides={}, dry_run=True)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    return run
