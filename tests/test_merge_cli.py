@@ -43,6 +43,14 @@ def test_merge_matches_base_plus_adapter(tiny_model_dir: Path, tmp_path: Path) -
         assert not torch.allclose(base(ids).logits, got, atol=1e-5)  # control: the adapter did something
 
 
+def test_merge_refuses_a_non_peft_adapter(tmp_path: Path) -> None:
+    folder = tmp_path / "mlx_adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"fine_tune_type": "lora", "num_layers": 2}')
+    result = runner.invoke(_app(), [str(folder), "-o", str(tmp_path / "m")])
+    assert result.exit_code == 1 and "soup export" in result.output
+
+
 @pytest.mark.parametrize("setup", ["missing", "full"])
 def test_merge_refuses_a_folder_without_adapter(setup: str, tmp_path: Path) -> None:
     folder = tmp_path / "out"

@@ -30,11 +30,15 @@ def merge(
     if not config_file.is_file():
         fail(f"{adapter} holds no LoRA adapter (adapter_config.json is missing). A run with "
              "training.lora.r: 0 saves a full model, which needs no merge.")
+    try:
+        adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        fail(f"cannot read {config_file}: {exc}")
+    if not isinstance(adapter_config, dict) or "peft_type" not in adapter_config:
+        fail(f"{adapter} is not a PEFT adapter (adapter_config.json has no peft_type); an adapter written by "
+             "the mlx backend converts with `soup export ADAPTER --to peft -o OUT` first.")
     if base is None:
-        try:
-            base = json.loads(config_file.read_text(encoding="utf-8")).get("base_model_name_or_path")
-        except (OSError, ValueError) as exc:
-            fail(f"cannot read {config_file}: {exc}")
+        base = adapter_config.get("base_model_name_or_path")
         if not base:
             fail(f"{config_file} does not say which base model it belongs to; pass --base")
     from soup_core.backends.transformers.loading import BackendError, merge_adapter

@@ -1,0 +1,25 @@
+"""The ``mlx`` backend class. Import-light: the plugin registers it at every ``soup`` start; the training
+loop (and mlx) is imported when a run starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from soup_core import Backend
+
+
+class MLXBackendError(RuntimeError):
+    """A run on the mlx backend cannot go on for a reason the user can fix (what, where, how)."""
+
+
+class MLXBackend(Backend):
+    """Trains with Apple's MLX and mlx-lm (LoRA or full fine-tuning), on the core's row order."""
+
+    name = "mlx"
+    description = "Apple MLX + mlx-lm (LoRA or full fine-tuning; Metal on Apple silicon, else CPU)"
+
+    def train(self, context: Any) -> dict[str, Any]:
+        """Run one training run; returns its summary (status, steps, losses, tokens/s, ...)."""
+        from soup_plugin_mlx.trainer import MLXRun
+
+        return MLXRun(context).run()

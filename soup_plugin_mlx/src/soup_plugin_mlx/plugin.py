@@ -1,0 +1,53 @@
+"""The ``mlx`` plugin: registers the MLX backend, its (mlx, sft) support row, its probes, the model loader
+for ``backend: mlx`` and ``soup export``.
+
+Registration is cheap (DESIGN.md §3): nothing here imports mlx, mlx-lm or transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from soup_core import Command, LoadedModel, Probe, Support, hookimpl
+from soup_plugin_mlx.backend import MLXBackend
+from soup_plugin_mlx.probes import device_computes, installed
+from soup_plugin_mlx.support import HONOURED_FIELDS
+
+#: Hook-API versions this plugin supports (min, max).
+SOUP_HOOK_API = (1, 1)
+
+
+@hookimpl
+def soup_register_backends() -> list[type]:
+    return [MLXBackend]
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    # Only sft: dpo, grpo and every other task have no row, so `backend: mlx` with them is refused at
+    # config time (the core says which tasks mlx supports) instead of failing after the model loads.
+    return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS)]
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    return [
+        Probe("mlx and mlx-lm installed", installed, deep=False, scope="backend:mlx"),
+        Probe("an MLX device computes", device_computes, deep=True, scope="backend:mlx"),
+    ]
+
+
+@hookimpl
+def soup_register_commands() -> list[Command]:
+    from soup_plugin_mlx.cli import EXPORT_HELP, export
+
+    return [Command(name="export", target=export, help=EXPORT_HELP)]
+
+
+@hookimpl
+def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
+    if backend != MLXBackend.name:
+        return None
+    from soup_plugin_mlx.model import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(config)
