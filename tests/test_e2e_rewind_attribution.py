@@ -188,16 +188,20 @@ def _check(captured: list[dict[str, Any]], logged: list[dict[str, Any]]) -> None
     wrong = [dict(g) for g in logged]
     wrong[-1] = {**wrong[-1], "rows": [(r + 1) for r in wrong[-1]["rows"]]}
     assert _mismatches(captured, wrong)
+    # ... and one that credits two rows of a micro-batch with each other's supervised tokens.
+    k = next(i for i, g in enumerate(logged) if len(set(g["tokens"])) > 1)
+    tokens = list(logged[k]["tokens"])
+    a, b = next((i, j) for i in range(len(tokens)) for j in range(i + 1, len(tokens)) if tokens[i] != tokens[j])
+    tokens[a], tokens[b] = tokens[b], tokens[a]
+    swapped = [dict(g) for g in logged]
+    swapped[k] = {**swapped[k], "tokens": tokens}
+    assert _mismatches(captured, swapped)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-
-    torch.set_num_threads(1)
-    from soup_core.tiny import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("soup-home") / "tiny")
+def model_dir(tiny_model_dir: Path) -> Path:
+    """The session's tiny Llama (tests/conftest.py), built once for every test file that trains."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +238,9 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path):
         assert not [m for m in reports if "Rewind" in m], reports  # the recorder never switched off
         return prefix
 
-    return run
+    yield run
+    for handle in capture._HANDLES:  # the global optimizer hook must not outlive the test
+        handle.remove()
 
 
 # -------------------------------------------------------------------------------------------- cases
