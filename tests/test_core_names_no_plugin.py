@@ -1,7 +1,8 @@
 """The core never names a task or backend other than its built-ins (sft, transformers) — DESIGN.md §4a.
 
-The one exception is the install-hint table in soup_core/config/known.py, whose job is to say which
-first-party plugin provides a key the user wrote (issue 2, point 6)."""
+The exceptions: the install-hint table in soup_core/config/known.py, whose job is to say which
+first-party plugin provides a key the user wrote (issue 2, point 6), and `soup doctor`, which reports
+whether an MLX device is there (issue 12)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "soup_core"
-EXEMPT = {CORE / "config" / "known.py"}
+EXEMPT = {CORE / "config" / "known.py", CORE / "cli" / "doctor_cmd.py"}  # doctor reports the MLX device
 FOREIGN = {"mlx", "grpo", "dpo", "ipo", "kto", "orpo", "simpo", "cpo", "bco", "ppo", "unlearn", "distill",
            "classification", "reward_model", "pretrain"}
 

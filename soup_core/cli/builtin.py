@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from soup_core.cli.doctor_cmd import DOCTOR_HELP, doctor
 from soup_core.cli.init_cmd import init
 from soup_core.cli.merge_cmd import merge
 from soup_core.cli.plugins_cmd import plugins_app
@@ -22,4 +23,5 @@ def soup_register_commands() -> list[Command]:
         Command(name="train", target=train, help=TRAIN_HELP),
         Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
+        Command(name="doctor", target=doctor, help=DOCTOR_HELP),
     ]

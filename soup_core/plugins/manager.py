@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,8 @@ class _Candidate:
     distribution: str
     version: str
     load: Callable[[], Any]
+    #: the soup-core range the plugin's distribution declares (``Requires-Dist``), e.g. ">=0.1,<0.2"
+    core_range: str = ""
 
 
 class PluginSet:
@@ -195,7 +198,9 @@ class PluginSet:
         for info in self.plugins.values():
             if info.status not in (OK, UNAVAILABLE):
                 continue
-            results = [(p, run_probe(p.check)) for p in info.probes if p.deep]
+            # a deep probe whose scope already failed its cheap probe would only repeat the failure, less clearly
+            results = [(p, run_probe(p.check)) for p in info.probes
+                       if p.deep and info.status == OK and p.scope not in self.unavailable_scopes]
             out[info.name] = results
             for probe, result in results:
                 if result.ok:
@@ -212,6 +217,15 @@ class PluginSet:
     def _register(self, candidate: _Candidate) -> None:
         info = PluginInfo(candidate.name, candidate.builtin, candidate.distribution, candidate.version)
         self.plugins[candidate.name] = info
+        if candidate.core_range and not _core_in_range(candidate.core_range):
+            from soup_core import __version__
+
+            # checked before importing: a plugin built for another core may not even import
+            self._fail(info, f"its distribution requires soup-core{candidate.core_range}; this is soup-core "
+                             f"{__version__}",
+                       f"pip install --upgrade {candidate.distribution} (or pip install "
+                       f"\"soup-core{candidate.core_range}\")")
+            return
         try:
             module = candidate.load()
         except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, not ours
@@ -369,27 +383,145 @@ def _entry_point_candidates() -> list[_Candidate]:
                 continue
             if f"[{ENTRY_POINT_GROUP}]" not in text:
                 continue
-            dist_name = _dist_name(os.path.join(entry or ".", folder)) or dist
+            dist_name, core_range = _read_metadata(os.path.join(entry or ".", folder))
             for name, target in _soup_section(text):
                 if name not in seen:
-                    seen[name] = _Candidate(name, False, dist_name, version or "?",
-                                            lambda t=target: _load_target(t))
+                    seen[name] = _Candidate(name, False, dist_name or dist, version or "?",
+                                            lambda t=target: _load_target(t), core_range)
     return sorted(seen.values(), key=lambda c: c.name)
 
 
-def _dist_name(info_dir: str) -> str | None:
-    """The project name as written in METADATA (``soup-plugin-rewind``, not the folder's normalised form)."""
+_CORE_REQUIREMENT = re.compile(
+    r"^soup[-_.]core\s*(?:\[[^\]]*\])?\s*\(?\s*([<>=!~][^;()]*)?\)?\s*(;.*)?$", re.I
+)
+
+
+def _read_metadata(info_dir: str) -> tuple[str | None, str]:
+    """The project name as written in METADATA (``soup-plugin-rewind``, not the folder's normalised form)
+    and the soup-core range its ``Requires-Dist`` declares ("" when none, or only under an extra or a
+    marker, which are not evaluated here)."""
+    name, core_range = None, ""
     for meta in ("METADATA", "PKG-INFO"):
         try:
             with open(os.path.join(info_dir, meta), encoding="utf-8") as handle:
                 for line in handle:
                     if line.startswith("Name:"):
-                        return line.split(":", 1)[1].strip()
-                    if not line.strip():
-                        break
+                        name = line.split(":", 1)[1].strip()
+                    elif line.startswith("Requires-Dist:"):
+                        match = _CORE_REQUIREMENT.match(line.split(":", 1)[1].strip())
+                        if match and match.group(1) and not match.group(2):
+                            core_range = match.group(1).replace(" ", "")
+                    elif not line.strip():
+                        break  # the headers end; the long description follows
+            return name, core_range
         except OSError:
             continue
-    return None
+    return None, ""
+
+
+# ------------------------------------------------------------------------------- version ranges
+# A small PEP 440 comparer for the operators that requirement ranges use (==, !=, <, <=, >, >=, ~=, ===,
+# and the .* prefix forms), so that checking a plugin's soup-core range costs no import at start-up.
+
+_VERSION = re.compile(
+    r"^v?(?:(\d+)!)?(\d+(?:\.\d+)*)(?:[-_.]?(a|b|c|rc|alpha|beta|pre|preview)[-_.]?(\d*))?"
+    r"(?:[-_.]?(?:post|rev|r)[-_.]?(\d*)|-(\d+))?(?:[-_.]?dev[-_.]?(\d*))?(?:\+([a-z0-9.]+))?$",
+    re.I,
+)
+_PRE = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
+_INF = float("inf")
+
+
+def version_key(version: str) -> tuple[Any, ...]:
+    """A sort key for a PEP 440 version (local label ignored); raises ValueError when it is not one."""
+    m = _VERSION.match(version.strip())
+    if not m:
+        raise ValueError(f"not a PEP 440 version: {version!r}")
+    epoch, release, pre_l, pre_n, post_a, post_b, dev = m.groups()[:7]
+    parts = [int(p) for p in release.split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()
+    post = post_a if post_a is not None else post_b
+    if pre_l:
+        pre: tuple[float, int] = (_PRE[pre_l.lower()], int(pre_n or 0))
+    else:  # a bare dev release sorts before the release's pre-releases
+        pre = (-_INF, 0) if dev is not None and post is None else (_INF, 0)
+    return (int(epoch or 0), tuple(parts), pre, -_INF if post is None else int(post or 0),
+            _INF if dev is None else int(dev or 0))
+
+
+def _is_pre(key: tuple[Any, ...]) -> bool:
+    return key[2][0] != _INF or key[4] != _INF
+
+
+def _release(version: str) -> tuple[int, list[int]]:
+    m = _VERSION.match(version.strip())
+    if not m:
+        raise ValueError(f"not a PEP 440 version: {version!r}")
+    return int(m.group(1) or 0), [int(p) for p in m.group(2).split(".")]
+
+
+def _prefix_match(version: str, prefix: str) -> bool:
+    (epoch, have), (want_epoch, want) = _release(version), _release(prefix)
+    have = have + [0] * len(want)
+    return epoch == want_epoch and have[: len(want)] == want
+
+
+def specifier_contains(specifier: str, version: str) -> bool:
+    """Whether ``version`` satisfies every clause of ``specifier`` (``">=0.1,<0.2"``; "" accepts any).
+    Pre-releases count (this asks about an installed version). Raises ValueError on what it cannot read."""
+    key = version_key(version)
+    public, _, local = version.strip().partition("+")
+    for clause in filter(None, (c.strip() for c in specifier.split(","))):
+        m = re.match(r"^(===|~=|==|!=|<=|>=|<|>)\s*(\S+)$", clause)
+        if not m:
+            raise ValueError(f"not a version clause: {clause!r}")
+        op, target = m.groups()
+        if op == "===":
+            ok = version.strip().lower() == target.lower()
+        elif target.endswith(".*"):
+            if op not in ("==", "!="):
+                raise ValueError(f"{op} takes no .* suffix: {clause!r}")
+            if not re.match(r"^(\d+!)?\d+(\.\d+)*$", target[:-2]):
+                raise ValueError(f".* follows release numbers only: {clause!r}")
+            ok = _prefix_match(public, target[:-2]) == (op == "==")
+        elif op == "~=":
+            epoch, release = _release(target)
+            if len(release) < 2:
+                raise ValueError(f"~= needs two release numbers: {clause!r}")
+            prefix = f"{epoch}!" + ".".join(map(str, release[:-1]))
+            ok = key >= version_key(target) and _prefix_match(public, prefix)
+        else:
+            other = version_key(target)
+            same_release = key[:2] == other[:2]
+            if op in ("==", "!="):  # a local label counts only when the clause names one
+                equal = key == other and ("+" not in target or local.lower() == target.split("+", 1)[1].lower())
+                ok = equal == (op == "==")
+            elif "+" in target:
+                raise ValueError(f"{op} takes no local version label: {clause!r}")
+            elif op in ("<=", ">="):
+                ok = key <= other if op == "<=" else key >= other
+            elif not same_release:
+                ok = key < other if op == "<" else key > other
+            elif op == "<":  # <V leaves out V's pre-releases (unless V is one), and a post V's dev releases
+                if _is_pre(other):
+                    ok = key < other
+                else:
+                    ok = other[3] != -_INF and key < other and not (key[:4] == other[:4] and key[4] != _INF)
+            else:  # >V leaves out V's post-releases (unless V is a post or dev release)
+                ok = key > other and (other[3] != -_INF or other[4] != _INF or key[2] != other[2])
+        if not ok:
+            return False
+    return True
+
+
+def _core_in_range(core_range: str) -> bool:
+    from soup_core import __version__
+
+    try:
+        return specifier_contains(core_range, __version__)
+    except ValueError:
+        return True  # a range this comparer cannot read is left to pip (which checked it at install)
 
 
 def _builtin_candidates() -> list[_Candidate]:

@@ -1,0 +1,99 @@
+"""The hooks Soup calls on the ``example`` plugin (the entry point ``example`` names this module).
+
+Registration is cheap: this module is imported at every CLI start, ``soup --help`` included, so it imports
+soup-core's light public API only; pydantic is imported when the config fields are asked for, and torch,
+transformers and trl only when a run builds the trainer.
+"""
+
+from __future__ import annotations
+
+from soup_core import ConfigField, DataFormat, Probe, ProbeResult, Support, hookimpl, probes
+
+from soup_plugin_example.formats import WEIGHTED
+from soup_plugin_example.loss import REDUCTIONS
+from soup_plugin_example.task import TASK
+
+#: Hook-API versions this plugin supports (min, max). Keep pyproject.toml's soup-core range in step:
+#: soup-core 0.1.x implements hook API 1.
+SOUP_HOOK_API = (1, 1)
+
+#: The fields this plugin adds; honoured by (transformers, weighted_sft) only, so the support table
+#: refuses them for any other task.
+FIELDS = ("training.weighted_reduction", "training.weight_clip")
+FIX_TRAIN = 'pip install "soup-core[train]"'
+
+
+@hookimpl
+def soup_register_tasks() -> list[type]:
+    from soup_plugin_example.task import WeightedSFTTask
+
+    return [WeightedSFTTask]
+
+
+@hookimpl
+def soup_register_data_formats() -> list[DataFormat]:
+    return [WEIGHTED]
+
+
+@hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    from typing import Annotated, Literal
+
+    from pydantic import Field
+
+    return [
+        ConfigField(
+            "training.weighted_reduction",
+            Literal[REDUCTIONS],  # type: ignore[valid-type]
+            "tokens",
+            "task weighted_sft: tokens = every supervised token counts with its row's weight; rows = every "
+            "row's mean loss counts with its weight, whatever the row's length.",
+        ),
+        ConfigField(
+            "training.weight_clip",
+            Annotated[float, Field(gt=0)] | None,
+            None,
+            "task weighted_sft: row weights above this are clipped to it (unset: no clipping).",
+        ),
+    ]
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    from soup_core import HONOURED_FIELDS  # the (transformers, sft) row; importing it stays light
+
+    # packing would merge rows of different weights into one sequence: not honoured, so refused
+    honoured = (frozenset(HONOURED_FIELDS) - {"data.packing"}) | frozenset(FIELDS)
+    return [Support(backend="transformers", task=TASK, fields=honoured)]
+
+
+def _stack_installed() -> ProbeResult:
+    """Cheap: the training stack is installed (found without importing it)."""
+    for dist in ("torch", "transformers", "trl"):
+        result = probes.distribution(dist, fix=FIX_TRAIN)
+        if not result.ok:
+            return result
+    return ProbeResult(True)
+
+
+def _trainer_seam() -> ProbeResult:
+    """Deep: the installed trl's SFTTrainer.compute_loss takes the arguments this task's override takes
+    (the core's mixin calls it with ``return_outputs`` and ``num_items_in_batch``)."""
+    import inspect
+
+    from trl import SFTTrainer
+
+    params = inspect.signature(SFTTrainer.compute_loss).parameters
+    missing = [p for p in ("model", "inputs", "return_outputs", "num_items_in_batch") if p not in params]
+    if missing:
+        return ProbeResult(False, f"this trl's SFTTrainer.compute_loss has no {', '.join(missing)}",
+                           "pip install -U trl")
+    return ProbeResult(True, detail="SFTTrainer.compute_loss seam present")
+
+
+@hookimpl
+def soup_register_probes() -> list[Probe]:
+    return [
+        Probe("training stack installed", _stack_installed, deep=False, scope=f"task:{TASK}"),
+        Probe("SFTTrainer.compute_loss seam", _trainer_seam, deep=True, scope=f"task:{TASK}"),
+    ]
