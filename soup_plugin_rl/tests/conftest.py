@@ -225,6 +225,10 @@ def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]], events: E
             return rl.soup_preflight(config)
 
         @hookimpl
+        def soup_register_controllers(self):
+            return rl.soup_register_controllers()
+
+        @hookimpl
         def soup_register_recorders(self):
             return [ListRecorder]
 

@@ -92,3 +92,24 @@ def test_dpo_writes_per_pair_losses_to_the_rewind_log(rl_run):
     assert all(len(b["rows"]) == len(b["row_loss"]) == 2 for b in batches)
     step1 = [s for s in result.events.steps if s.step == 1][0]
     assert sum(batches[0]["row_loss"]) / 2 == pytest.approx(step1.metrics["loss"], rel=1e-6)
+
+
+def test_the_reward_hack_controller_watches_a_live_grpo_run(rl_run):
+    """The plugin's wiring, end to end: the grpo trainer publishes its generations' reward statistics, the
+    controller reads them from each optimizer step and writes one telemetry line per step."""
+    result = rl_run(
+        "grpo",
+        training={
+            "max_steps": 3,
+            "batch_size": 2,
+            "num_generations": 4,
+            "max_completion_length": 4,
+            "reward_fn": "length",
+            "reward_hack_mitigation": "log_only",
+        },
+    )
+    assert result.code == 0
+    published = [s.metrics for s in result.events.steps]
+    assert all(m.get("soup/hack/n", 0) > 0 for m in published)  # rewards of real generations reached the event
+    lines = [json.loads(line) for line in (result.output_dir / "mitigation_log.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3]
