@@ -110,6 +110,7 @@ def test_the_reward_hack_controller_watches_a_live_grpo_run(rl_run):
     )
     assert result.code == 0
     published = [s.metrics for s in result.events.steps]
-    assert all(m.get("soup/hack/n", 0) > 0 for m in published)  # rewards of real generations reached the event
-    lines = [json.loads(line) for line in (result.output_dir / "mitigation_log.jsonl").read_text().splitlines()]
+    assert all(m.get("soup/hack/n", 0) > 0 for m in published)  # real generations' rewards reached the event
+    log = (result.output_dir / "mitigation_log.jsonl").read_text()
+    lines = [json.loads(line) for line in log.splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
