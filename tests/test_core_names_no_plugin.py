@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "soup_core"
-EXEMPT = {CORE / "config" / "known.py", CORE / "cli" / "doctor_cmd.py"}  # doctor reports the MLX device
+EXEMPT = {CORE / "config" / "known.py", CORE / "doctor.py"}  # doctor reports the MLX device
 FOREIGN = {"mlx", "grpo", "dpo", "ipo", "kto", "orpo", "simpo", "cpo", "bco", "ppo", "unlearn", "distill",
            "classification", "reward_model", "pretrain"}
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from soup_core.cli import doctor_cmd
-from soup_core.cli.doctor_cmd import (
+from soup_core import doctor as doctor_cmd
+from soup_core.doctor import (
     MISSING,
     NOT_APPLICABLE,
     OK,

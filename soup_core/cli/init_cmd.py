@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -112,6 +111,8 @@ def init(
     if data_path.exists():
         console.print(f"Kept the existing data file {escape(str(data_path))}.")
         return
+    import json
+
     rows = sample_rows(template)
     atomic_write(data_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     console.print(f"Wrote a sample data set of {len(rows)} rows to {escape(str(data_path))} — replace it with "

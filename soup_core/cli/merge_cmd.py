@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -30,6 +29,8 @@ def merge(
     if not config_file.is_file():
         fail(f"{adapter} holds no LoRA adapter (adapter_config.json is missing). A run with "
              "training.lora.r: 0 saves a full model, which needs no merge.")
+    import json
+
     try:
         adapter_config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import typer
 
 plugins_app = typer.Typer(help="Inspect installed plugins.", no_args_is_help=True)
@@ -27,6 +25,8 @@ def list_plugins(
         plugins.deep_check()
     infos = list(plugins.plugins.values())
     if as_json:
+        import json
+
         payload = {
             "plugins": [info.to_json() for info in infos],
             "unavailable": {

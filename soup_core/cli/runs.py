@@ -6,7 +6,6 @@ Exit codes: 0 ok; 1 no such run, no runs recorded, or an unusable tracker databa
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Iterator
@@ -132,6 +131,7 @@ def _run_json(tracker: Tracker, run: RunRecord, *, with_metrics: bool = False) -
 
 
 def _emit_json(data: Any) -> None:
+    import json
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
 
@@ -262,6 +262,7 @@ def show(
         info.add_row(f"summary.{key}", str(value))
     console.print(Panel(info, title=f"run {run.run_id}", title_align="left"))
 
+    import json
     lines = [f"{path}: {json.dumps(value, default=str)}" for path, value in _flatten(run.config)]
     shown = lines[:_CONFIG_LINES]
     if len(lines) > len(shown):

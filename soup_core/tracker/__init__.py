@@ -7,20 +7,33 @@ The database is ``soup_home()/"experiments.db"`` (``$SOUP_HOME`` or ``~/.soup``)
 
 from __future__ import annotations
 
-from soup_core.tracker.schema import SCHEMA_VERSION, TrackerError
-from soup_core.tracker.store import (
-    CRASHED,
-    END_STATUSES,
-    AmbiguousRunError,
-    RunRecord,
-    RunStopped,
-    Tracker,
-    new_run_id,
-    pid_alive,
-    process_start_ticks,
-    soup_home,
-    tracked_run,
-)
+import importlib
+from typing import Any
+
+# loaded on first use: the tracker's plugin module (imported at every CLI start) needs none of this
+_EXPORTS = {
+    "SCHEMA_VERSION": "schema",
+    "TrackerError": "schema",
+    "CRASHED": "store",
+    "END_STATUSES": "store",
+    "AmbiguousRunError": "store",
+    "RunRecord": "store",
+    "RunStopped": "store",
+    "Tracker": "store",
+    "new_run_id": "store",
+    "pid_alive": "store",
+    "process_start_ticks": "store",
+    "soup_home": "store",
+    "tracked_run": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'soup_core.tracker' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"soup_core.tracker.{module}"), name)
+
 
 __all__ = [
     "CRASHED",

@@ -6,7 +6,6 @@ when a run is prepared.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +164,7 @@ def checkpoint_step(checkpoint: str | Path | None) -> int | None:
         raise BackendError(
             f"training.resume_from: {checkpoint} is not a checkpoint folder (trainer_state.json is missing)"
         )
+    import json
     return int(json.loads(state.read_text(encoding="utf-8")).get("global_step", 0))
 
 

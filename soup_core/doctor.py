@@ -1,0 +1,584 @@
+"""``soup doctor``: this machine, this installation, and the one ``pip install`` line that fixes it.
+
+It reports the Python and the platform; the devices (CUDA with bf16 asked without emulation, MPS, MLX,
+CPU); every installed soup distribution and plugin with its probe results; and every dependency that
+soup-core and the plugins declare, read from their *installed* metadata (``importlib.metadata``), never
+from a second, hand-kept copy, checked against the installed version. It exits 1 when a required
+dependency is missing or out of range, and prints the ``pip install`` line that fixes all of them.
+
+Which dependencies are required: a distribution's plain ``Requires-Dist``; those of an extra that another
+installed soup distribution asks for (``soup-plugin-streaming`` requires ``soup-core[train]``, so torch is
+required); and those of an extra a soup distribution asks of a third-party package (``mlx[cpu]``). The
+other extras are optional: shown, checked when installed, never failing the run. A requirement whose
+marker excludes this platform (``sys_platform == 'darwin'`` on Linux) is shown as not applicable.
+
+Specifiers and markers are read with ``packaging`` when it is installed (it comes with the ``[train]``
+stack) and otherwise with a small reader for the same grammar, so a light install can be diagnosed too.
+Import-light at module level: typer only; torch is imported when the devices are asked about.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+OK, MISSING, OUT_OF_RANGE, OPTIONAL, NOT_APPLICABLE = "ok", "missing", "out of range", "optional", "not applicable"
+
+
+# ------------------------------------------------------------------------------------ requirements
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One ``Requires-Dist`` line: ``name[extras] specifier ; marker``."""
+
+    name: str
+    extras: tuple[str, ...] = ()
+    specifier: str = ""
+    marker: str = ""
+
+
+def normalise(name: str) -> str:
+    """A project name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _packaging() -> Any:
+    try:
+        import packaging.markers
+        import packaging.requirements
+        import packaging.specifiers
+        import packaging.version
+
+        return packaging
+    except ImportError:
+        return None
+
+
+_REQUIREMENT = re.compile(
+    r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?\s*\(?\s*([<>=!~][^;()]*)?\)?\s*(?:;\s*(.*))?$"
+)
+
+
+def parse_requirement(text: str, *, use_packaging: bool | None = None) -> Requirement:
+    """Parse a requirement line (with ``packaging`` when installed, unless ``use_packaging=False``)."""
+    pkg = _packaging() if use_packaging is not False else None
+    if pkg is not None:
+        req = pkg.requirements.Requirement(text)
+        specs = ",".join(sorted(str(s) for s in req.specifier))
+        return Requirement(req.name, tuple(sorted(req.extras)), specs, str(req.marker or ""))
+    m = _REQUIREMENT.match(text)
+    if not m:
+        raise ValueError(f"not a requirement: {text!r}")
+    name, extras, spec, marker = m.groups()
+    extra_names = tuple(sorted(e.strip() for e in (extras or "").split(",") if e.strip()))
+    specs = ",".join(sorted(s.strip().replace(" ", "") for s in (spec or "").split(",") if s.strip()))
+    return Requirement(name, extra_names, specs, (marker or "").strip())
+
+
+def version_in(specifier: str, version: str, *, use_packaging: bool | None = None) -> bool:
+    """Whether an installed ``version`` satisfies ``specifier`` (pre-releases count)."""
+    pkg = _packaging() if use_packaging is not False else None
+    if pkg is not None:
+        try:
+            parsed = pkg.version.Version(version)
+        except pkg.version.InvalidVersion:
+            return False
+        return pkg.specifiers.SpecifierSet(specifier).contains(parsed, prereleases=True)
+    from soup_core.plugins.manager import specifier_contains
+
+    try:
+        return specifier_contains(specifier, version)
+    except ValueError:
+        return False
+
+
+def marker_environment() -> dict[str, str]:
+    """PEP 508's marker variables for this interpreter."""
+    import platform
+    impl = sys.implementation.version
+    impl_version = f"{impl.major}.{impl.minor}.{impl.micro}"
+    if impl.releaselevel != "final":
+        impl_version += impl.releaselevel[0] + str(impl.serial)
+    return {
+        "implementation_name": sys.implementation.name,
+        "implementation_version": impl_version,
+        "os_name": os.name,
+        "platform_machine": platform.machine(),
+        "platform_release": platform.release(),
+        "platform_system": platform.system(),
+        "platform_version": platform.version(),
+        "python_full_version": platform.python_version(),
+        "platform_python_implementation": platform.python_implementation(),
+        "python_version": ".".join(platform.python_version_tuple()[:2]),
+        "sys_platform": sys.platform,
+    }
+
+
+_MARKER_TOKEN = re.compile(
+    r"\s*(?:(?P<str>'[^']*'|\"[^\"]*\")|(?P<op>===|==|!=|<=|>=|~=|<|>|not\s+in\b|in\b)|(?P<paren>[()])"
+    r"|(?P<word>and\b|or\b)|(?P<var>[A-Za-z_][A-Za-z0-9_.]*))\s*"
+)
+
+
+class _MarkerReader:
+    """A small PEP 508 marker evaluator (``or`` / ``and`` / parentheses / comparisons), for when
+    ``packaging`` is not installed."""
+
+    def __init__(self, text: str, env: dict[str, str]) -> None:
+        self.tokens: list[tuple[str, str]] = []
+        pos, text = 0, text.strip()
+        while pos < len(text):
+            m = _MARKER_TOKEN.match(text, pos)
+            if not m or m.end() == pos:
+                raise ValueError(f"cannot read marker {text!r} at {text[pos:]!r}")
+            kind = m.lastgroup or ""
+            self.tokens.append((kind, m.group(kind)))
+            pos = m.end()
+        self.env, self.i = env, 0
+
+    def _peek(self) -> tuple[str, str]:
+        return self.tokens[self.i] if self.i < len(self.tokens) else ("", "")
+
+    def _take(self) -> tuple[str, str]:
+        self.i += 1
+        return self.tokens[self.i - 1] if self.i <= len(self.tokens) else ("", "")
+
+    def evaluate(self) -> bool:
+        value = self._or()
+        if self.i != len(self.tokens):
+            raise ValueError(f"unexpected {self._peek()[1]!r} in marker")
+        return value
+
+    def _or(self) -> bool:
+        value = self._and()
+        while self._peek() == ("word", "or"):
+            self._take()
+            value = self._and() or value
+        return value
+
+    def _and(self) -> bool:
+        value = self._atom()
+        while self._peek() == ("word", "and"):
+            self._take()
+            value = self._atom() and value
+        return value
+
+    def _operand(self) -> tuple[str, bool]:
+        kind, text = self._take()
+        if kind == "str":
+            return text[1:-1], False
+        if kind == "var":
+            if text not in self.env:
+                raise ValueError(f"unknown marker variable {text!r}")
+            return self.env[text], text == "extra"
+        raise ValueError(f"expected a value in marker, got {text!r}")
+
+    def _atom(self) -> bool:
+        if self._peek() == ("paren", "("):
+            self._take()
+            value = self._or()
+            if self._take() != ("paren", ")"):
+                raise ValueError("unbalanced parentheses in marker")
+            return value
+        left, left_extra = self._operand()
+        kind, op = self._take()
+        if kind != "op":
+            raise ValueError(f"expected a comparison in marker, got {op!r}")
+        right, right_extra = self._operand()
+        if left_extra or right_extra:  # extra names compare normalised
+            left, right = normalise(left), normalise(right)
+        op = re.sub(r"\s+", " ", op)
+        if op in ("in", "not in"):
+            return (left in right) == (op == "in")
+        from soup_core.plugins.manager import specifier_contains
+
+        try:
+            return specifier_contains(f"{op}{right}", left)
+        except ValueError:  # not versions: compare as strings
+            pass
+        if op in ("==", "==="):
+            return left == right
+        if op == "!=":
+            return left != right
+        raise ValueError(f"cannot compare {left!r} {op} {right!r}")
+
+
+def marker_applies(marker: str, extra: str = "", *, use_packaging: bool | None = None) -> bool:
+    """Whether a requirement's marker holds on this machine when ``extra`` is requested ("" for none)."""
+    if not marker:
+        return True
+    pkg = _packaging() if use_packaging is not False else None
+    if pkg is not None:
+        return bool(pkg.markers.Marker(marker).evaluate({"extra": extra}))
+    return _MarkerReader(marker, {**marker_environment(), "extra": extra}).evaluate()
+
+
+# ------------------------------------------------------------------------------------ distributions
+
+
+def _metadata() -> Any:
+    import importlib.metadata  # not at module level: every CLI start imports this module
+
+    return importlib.metadata
+
+
+def soup_distributions(path: Sequence[str] | None = None) -> list[Any]:
+    """Installed soup distributions (soup-core, ``soup-plugin-*``, and any with a ``soup`` entry point),
+    the first of each name on the path, soup-core first."""
+    found: dict[str, Any] = {}
+    for dist in _metadata().distributions(path=list(path) if path is not None else sys.path):
+        name = normalise(dist.metadata["Name"] or "")
+        soup = name == "soup-core" or name.startswith("soup-plugin-") or any(
+            ep.group == "soup" for ep in dist.entry_points)
+        if soup and name not in found:
+            found[name] = dist
+    return [found[n] for n in sorted(found, key=lambda n: (n != "soup-core", n))]
+
+
+def installed_version(name: str, path: Sequence[str] | None = None) -> str | None:
+    """The installed version of ``name`` on ``path`` (default: ``sys.path``), or None."""
+    for dist in _metadata().distributions(name=name, path=list(path) if path is not None else sys.path):
+        return str(dist.version)
+    return None
+
+
+def _editable(dist: Any) -> bool:
+    import json
+
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+    except ValueError:
+        return False
+    return bool(info.get("dir_info", {}).get("editable"))
+
+
+@dataclass
+class DependencyCheck:
+    """One declared dependency of one distribution, against what is installed."""
+
+    dependent: str  # who declares it: "soup-plugin-rewind", "soup-core[train]", "mlx[cpu]"
+    name: str
+    specifier: str
+    extras: tuple[str, ...]
+    required: bool
+    installed: str | None
+    status: str  # ok / missing / out of range / optional / not applicable
+    requirement: str  # the line as declared
+
+    @property
+    def failed(self) -> bool:
+        return self.required and self.status in (MISSING, OUT_OF_RANGE)
+
+
+def _check(dependent: str, line: str, req: Requirement, required: bool, path: Sequence[str] | None,
+           use_packaging: bool | None) -> DependencyCheck:
+    version = installed_version(req.name, path)
+    if version is None:
+        status = MISSING if required else OPTIONAL
+    elif req.specifier and not version_in(req.specifier, version, use_packaging=use_packaging):
+        status = OUT_OF_RANGE
+    else:
+        status = OK
+    return DependencyCheck(dependent, req.name, req.specifier, req.extras, required, version, status, line)
+
+
+def check_dependencies(
+    path: Sequence[str] | None = None, *, use_packaging: bool | None = None
+) -> list[DependencyCheck]:
+    """Every dependency the installed soup distributions declare, checked (see the module docstring for
+    which ones are required)."""
+    dists = soup_distributions(path)
+    soup_names = {normalise(d.metadata["Name"]) for d in dists}
+    declared: list[tuple[str, str, Requirement]] = []  # (dependent dist, line, requirement)
+    for dist in dists:
+        for line in dist.requires or []:
+            declared.append((str(dist.metadata["Name"]), line, parse_requirement(line, use_packaging=use_packaging)))
+    # extras that installed soup distributions ask of each other (soup-core[train]) or of others (mlx[cpu])
+    wanted: dict[str, set[str]] = {}
+    for _, _, req in declared:
+        if req.extras and marker_applies(req.marker, use_packaging=use_packaging):
+            wanted.setdefault(normalise(req.name), set()).update(req.extras)
+    checks: list[DependencyCheck] = []
+    for dependent, line, req in declared:
+        active = sorted(wanted.get(normalise(dependent), ()))
+        if marker_applies(req.marker, use_packaging=use_packaging):
+            checks.append(_check(dependent, line, req, True, path, use_packaging))
+            continue
+        extras = [e for e in active if marker_applies(req.marker, e, use_packaging=use_packaging)]
+        if extras:
+            checks.append(_check(f"{dependent}[{','.join(extras)}]", line, req, True, path, use_packaging))
+            continue
+        optional = re.findall(r"extra\s*==\s*['\"]([^'\"]+)['\"]", req.marker)
+        if optional and any(marker_applies(req.marker, e, use_packaging=use_packaging) for e in optional):
+            checks.append(_check(f"{dependent}[{','.join(optional)}]", line, req, False, path, use_packaging))
+        else:
+            checks.append(DependencyCheck(dependent, req.name, req.specifier, req.extras, False,
+                                          installed_version(req.name, path), NOT_APPLICABLE, line))
+    # one level into third-party extras a soup distribution asks for: mlx[cpu] must bring mlx-cpu
+    for project, extras in sorted(wanted.items()):
+        if project in soup_names:
+            continue
+        found = list(_metadata().distributions(name=project, path=list(path) if path is not None else sys.path))
+        if not found:
+            continue
+        for line in found[0].requires or []:
+            req = parse_requirement(line, use_packaging=use_packaging)
+            if marker_applies(req.marker, use_packaging=use_packaging):
+                continue  # its plain dependencies are pip's business, not soup's
+            hits = [e for e in sorted(extras) if marker_applies(req.marker, e, use_packaging=use_packaging)]
+            if hits:
+                dependent = f"{found[0].metadata['Name']}[{','.join(hits)}]"
+                checks.append(_check(dependent, line, req, True, path, use_packaging))
+    return checks
+
+
+def fix_command(checks: Sequence[DependencyCheck]) -> str | None:
+    """The one ``pip install`` line that installs every failed requirement (ranges merged per name)."""
+    merged: dict[str, tuple[str, set[str], list[str]]] = {}
+    for check in checks:
+        if not check.failed:
+            continue
+        key = normalise(check.name)
+        name, extras, specs = merged.setdefault(key, (check.name, set(), []))
+        extras.update(check.extras)
+        for clause in filter(None, check.specifier.split(",")):
+            if clause not in specs:
+                specs.append(clause)
+    if not merged:
+        return None
+    parts = []
+    for name, extras, specs in merged.values():
+        extra = f"[{','.join(sorted(extras))}]" if extras else ""
+        parts.append(f'"{name}{extra}{",".join(specs)}"')
+    return "pip install " + " ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- devices
+
+
+def _findable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def device_report() -> dict[str, Any]:
+    """CPU, CUDA (each device: name, capability, memory, bf16 without emulation), MPS and MLX."""
+    import platform
+    out: dict[str, Any] = {"cpu": {"cores": os.cpu_count(), "machine": platform.machine()}}
+    if not _findable("torch"):
+        reason = 'torch is not installed (pip install "soup-core[train]")'
+        out.update(torch=None, cuda={"available": False, "reason": reason}, mps={"available": False, "reason": reason})
+    else:
+        found = _torch_devices()
+        out["cpu"].update(found.pop("cpu", {}))
+        out.update(found)
+    out["mlx"] = _mlx_device()
+    return out
+
+
+def _torch_devices() -> dict[str, Any]:
+    import inspect
+
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - a broken torch is a finding, not a crash
+        reason = f"import torch failed: {type(exc).__name__}: {exc}"
+        return {"torch": None, "cuda": {"available": False, "reason": reason},
+                "mps": {"available": False, "reason": reason}}
+    out: dict[str, Any] = {"torch": torch.__version__}
+    out["cpu"] = {"threads": torch.get_num_threads()}
+    cuda: dict[str, Any] = {"available": bool(torch.cuda.is_available()), "version": torch.version.cuda}
+    if cuda["available"]:
+        asks_emulation = "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters
+        devices = []
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            with torch.cuda.device(index):
+                if asks_emulation:  # emulated bf16 runs, slowly: only native support counts
+                    bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
+                else:
+                    bf16 = props.major >= 8
+            devices.append({"index": index, "name": props.name, "capability": f"{props.major}.{props.minor}",
+                            "memory_gib": round(props.total_memory / 2**30, 1), "bf16": bf16})
+        cuda["devices"] = devices
+    else:
+        cuda["reason"] = ("this torch is a CPU-only build" if torch.version.cuda is None
+                          else "no CUDA device is visible")
+    out["cuda"] = cuda
+    mps = getattr(torch.backends, "mps", None)
+    out["mps"] = {"available": bool(mps and mps.is_available()), "built": bool(mps and mps.is_built())}
+    return out
+
+
+def _mlx_device() -> dict[str, Any]:
+    if not _findable("mlx"):
+        return {"available": False, "reason": "mlx is not installed"}
+    try:
+        import mlx.core as mx
+    except Exception as exc:  # noqa: BLE001 - e.g. libmlx.so missing: plain `mlx` on Linux
+        fix = ' (on Linux: pip install "mlx[cpu]")' if sys.platform.startswith("linux") else ""
+        return {"available": False, "reason": f"import mlx.core failed: {type(exc).__name__}: {exc}{fix}"}
+    metal = getattr(mx, "metal", None)
+    try:
+        on_metal = bool(metal and metal.is_available())
+    except Exception:  # noqa: BLE001 - asking must not break the report
+        on_metal = False
+    return {"available": True, "version": getattr(mx, "__version__", "?"),
+            "default_device": str(mx.default_device()), "metal": on_metal}
+
+
+# -------------------------------------------------------------------------------------------- report
+
+
+@dataclass
+class DoctorReport:
+    python: dict[str, Any]
+    platform: dict[str, Any]
+    devices: dict[str, Any]
+    distributions: list[dict[str, Any]]
+    plugins: list[dict[str, Any]]
+    unavailable: dict[str, Any]
+    dependencies: list[DependencyCheck] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[DependencyCheck]:
+        return [c for c in self.dependencies if c.failed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": not self.failed,
+            "python": self.python,
+            "platform": self.platform,
+            "devices": self.devices,
+            "distributions": self.distributions,
+            "plugins": self.plugins,
+            "unavailable": self.unavailable,
+            "dependencies": [{**asdict(c), "extras": list(c.extras)} for c in self.dependencies],
+            "fix": fix_command(self.dependencies),
+        }
+
+
+def build_report(*, deep: bool = True, devices: bool = True) -> DoctorReport:
+    """Everything ``soup doctor`` shows."""
+    import platform
+
+    from soup_core.plugins import load_plugins
+
+    dists = [
+        {"name": d.metadata["Name"], "version": str(d.version), "editable": _editable(d),
+         "location": str(getattr(d, "_path", "") or "")}
+        for d in soup_distributions()
+    ]
+    plugins = load_plugins()
+    if deep:
+        plugins.deep_check()
+    return DoctorReport(
+        python={"version": platform.python_version(), "implementation": platform.python_implementation(),
+                "executable": sys.executable},
+        platform={"system": platform.system(), "release": platform.release(), "machine": platform.machine(),
+                  "sys_platform": sys.platform, "description": platform.platform()},
+        devices=device_report() if devices else {},
+        distributions=dists,
+        plugins=[info.to_json() for info in plugins.plugins.values()],
+        unavailable={scope: {"plugin": plugin, "reason": result.reason, "fix": result.fix or None}
+                     for scope, (plugin, result) in plugins.unavailable_scopes.items()},
+        dependencies=check_dependencies(),
+    )
+
+
+def _device_lines(devices: dict[str, Any]) -> list[str]:
+    cpu = devices.get("cpu", {})
+    threads = f", torch uses {cpu['threads']} threads" if "threads" in cpu else ""
+    lines = [f"CPU   {cpu.get('cores')} cores ({cpu.get('machine')}){threads}"]
+    cuda = devices.get("cuda", {})
+    if cuda.get("available"):
+        for d in cuda.get("devices", []):
+            bf16 = "bf16: yes" if d["bf16"] else "bf16: no (not without emulation)"
+            lines.append(f"CUDA  {d['index']}: {d['name']}, capability {d['capability']}, "
+                         f"{d['memory_gib']} GiB, {bf16} (CUDA {cuda.get('version')})")
+    else:
+        lines.append(f"CUDA  not available: {cuda.get('reason', '?')}")
+    mps = devices.get("mps", {})
+    lines.append("MPS   available" if mps.get("available") else
+                 f"MPS   not available{': ' + mps['reason'] if mps.get('reason') else ''}")
+    mlx = devices.get("mlx", {})
+    if mlx.get("available"):
+        metal = ", Metal" if mlx.get("metal") else ""
+        lines.append(f"MLX   {mlx.get('version')}, default device {mlx.get('default_device')}{metal}")
+    else:
+        lines.append(f"MLX   not available: {mlx.get('reason', '?')}")
+    return lines
+
+
+def print_report(report: DoctorReport) -> None:
+    """The human-readable report (plain lines: never cut by a narrow terminal)."""
+    from rich.markup import escape
+
+    from soup_core.ui import console
+
+    def say(text: str, style: str = "") -> None:
+        console.print(f"[{style}]{escape(text)}[/]" if style else escape(text))
+
+    py, plat = report.python, report.platform
+    say("soup doctor", "bold")
+    say(f"Python    {py['version']} ({py['implementation']}) {py['executable']}")
+    say(f"Platform  {plat['description']} ({plat['sys_platform']}, {plat['machine']})")
+    if report.devices:
+        say("\nDevices", "bold")
+        for line in _device_lines(report.devices):
+            say("  " + line)
+    say("\nSoup distributions", "bold")
+    for d in report.distributions:
+        say(f"  {d['name']} {d['version']}" + (" (editable)" if d["editable"] else ""))
+    say("\nPlugins", "bold")
+    styles = {"ok": "green", "unavailable": "yellow", "failed": "red", "disabled": "dim"}
+    for p in report.plugins:
+        line = f"  {p['name']:<18} {p['status']:<11} {p['distribution']} {p['version']}"
+        if p["details"]:
+            line += " — " + "; ".join(p["details"])
+        say(line, styles.get(p["status"], ""))
+        if p["reason"]:
+            say(f"      {p['reason']}" + (f" — fix: {p['fix']}" if p["fix"] else ""))
+    for scope, info in report.unavailable.items():
+        say(f"  {scope} (plugin {info['plugin']}) unavailable: {info['reason']}"
+            + (f" — fix: {info['fix']}" if info["fix"] else ""), "yellow")
+    say("\nDependencies (declared in the installed metadata)", "bold")
+    groups: dict[str, list[DependencyCheck]] = {}
+    for check in report.dependencies:
+        groups.setdefault(check.dependent, []).append(check)
+    for dependent, checks in groups.items():
+        say(f"  {dependent}")
+        for c in checks:
+            _say_check(say, c)
+    failed = report.failed
+    if not failed:
+        say("\nEvery required dependency is installed and in range.", "green")
+        return
+    say(f"\n{len(failed)} required dependenc{'y is' if len(failed) == 1 else 'ies are'} missing or out of range:",
+        "bold red")
+    for c in failed:
+        say(f"  {c.name} {c.specifier} (required by {c.dependent}): "
+            + ("not installed" if c.installed is None else f"{c.installed} is installed"))
+    say(f"Fix: {fix_command(failed)}", "bold")
+
+
+_SHOWN = {OK: "ok", MISSING: "MISSING", OUT_OF_RANGE: "OUT OF RANGE", OPTIONAL: "optional, not installed",
+          NOT_APPLICABLE: "not for this platform"}
+
+
+def _say_check(say: Any, c: DependencyCheck) -> None:
+    status = _SHOWN[c.status] if c.required or c.status != OK else "ok (optional)"
+    if c.status == OUT_OF_RANGE and not c.required:
+        status = "out of range (optional)"
+    style = "red" if c.failed else ("yellow" if c.status == OUT_OF_RANGE else "")
+    have = c.installed or "not installed"
+    say(f"    {c.name:<22} {have:<16} wants {c.specifier or 'any':<18} {status}", style)
