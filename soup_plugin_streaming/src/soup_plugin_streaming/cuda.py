@@ -67,6 +67,9 @@ class CudaTransfer:
         self.stream = torch.cuda.Stream(device=device)
         self.events = [torch.cuda.Event() for _ in slots]
         self.staging: list[dict[str, torch.Tensor]] | None = None
+        #: set to a list to measure (benchmarks): each wait appends (event before, event after) on the
+        #: compute stream, whose elapsed time is how long the compute stream stood waiting for a copy
+        self.wait_timing: list[tuple[Any, Any]] | None = None
         if store.host(0) is None:  # disk tier: bytes need a host landing place per buffer
             allocate = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=True))
             self.staging = [
@@ -89,7 +92,15 @@ class CudaTransfer:
             self.events[slot].record(self.stream)
 
     def wait(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.events[slot])
+        stream = torch.cuda.current_stream(self.device)
+        if self.wait_timing is None:
+            stream.wait_event(self.events[slot])
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(self.events[slot])
+        after.record(stream)
+        self.wait_timing.append((before, after))
 
 
 def transfer_factory(

@@ -59,8 +59,19 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
         "auto",
         "CUDA only: pin the host copy of the layers (auto: try, fall back to pageable with a notice).",
     ),
+    "training.stream_allow_oom_attempt": (
+        bool,
+        False,
+        "Start even when the memory pre-flight predicts more than is available "
+        "(what --allow-oom-attempt sets).",
+    ),
 }
-SUB_FIELDS = ("training.stream_buffers", "training.stream_source", "training.stream_pin")
+SUB_FIELDS = (
+    "training.stream_buffers",
+    "training.stream_source",
+    "training.stream_pin",
+    "training.stream_allow_oom_attempt",
+)
 
 
 @hookimpl
@@ -243,7 +254,94 @@ def soup_preflight(config: Any) -> PreflightReport | None:
                 fix=result.fix or "pip install -U bitsandbytes",
             )
         lines.append(f"NF4 base, quantised once when the store is split ({result.detail})")
-    return PreflightReport(title="layer streaming", lines=lines)
+    budget_lines, refusal, fix = memory_budget(config)
+    lines += budget_lines
+    return PreflightReport(title="layer streaming", lines=lines, refusal=refusal, fix=fix)
+
+
+def memory_budget(config: Any) -> tuple[list[str], str | None, str | None]:
+    """The memory pre-flight: (table lines, refusal, fix). Refuses when the predicted peak of a training
+    step exceeds what is available, unless ``training.stream_allow_oom_attempt`` is true. Imports torch
+    (to tell CUDA from CPU) but builds nothing."""
+    from soup_plugin_streaming import preflight as pf
+
+    t = config.training
+    data = pf.read_model_config(str(config.base))
+    if data is None:
+        skipped = (
+            f"memory budget: skipped (no config.json for {config.base!r} in a local folder or the Hugging "
+            "Face cache; nothing is downloaded before the run)"
+        )
+        return [skipped], None, None
+    try:
+        shape = pf.ModelShape.from_config(data)
+    except (KeyError, ValueError, TypeError) as exc:
+        return [f"memory budget: skipped (the model's config.json lacks {exc})"], None, None
+    device, free_device = pf.device_kind()
+    host, host_source = pf.available_cpu()
+    probe = pf.run_for(config, device=device, tier="disk")
+    tier, why = pf.resolve_tier(
+        str(t.stream_source), shape, probe.dtype_bytes, probe.quant, probe.nested, pf._meminfo_available()
+    )
+    run = pf.run_for(config, device=device, tier=tier)
+    budget = pf.predict(shape, run)
+    available, source = (host, host_source) if device == "cpu" else (free_device, "free device memory")
+    lines = pf.render(budget, available, source) + [f"layer store tier: {tier} ({why})"]
+    if device == "cpu":
+        lines.append(
+            "calibrated on CPU runs of soup train (never below a measured peak, at most 15% above); the "
+            "tokenized training rows the trainer holds come on top"
+        )
+    else:
+        lines.append("device constants not yet calibrated on a GPU (the CPU ones are used)")
+    short = []
+    if available is not None and budget.total > available:
+        short.append(
+            f"the predicted peak {budget.total / pf.MiB:,.0f} MiB exceeds the {available / pf.MiB:,.0f} "
+            f"MiB available ({source})"
+        )
+    if (
+        device != "cpu"
+        and tier == "ram"
+        and host is not None
+        and budget.host_parts["layer store (host)"] > host
+    ):
+        short.append(
+            f"the RAM tier's {budget.host_parts['layer store (host)'] / pf.MiB:,.0f} MiB store exceeds "
+            f"the {host / pf.MiB:,.0f} MiB of host memory available ({host_source})"
+        )
+    if not short:
+        return lines, None, None
+    if getattr(t, "stream_allow_oom_attempt", False):
+        lines.append(
+            "over budget, trying anyway (training.stream_allow_oom_attempt: true): " + "; ".join(short)
+        )
+        return lines, None, None
+    return lines, "; ".join(short), _fixes(shape, run, available, pf)
+
+
+def _fixes(shape: Any, run: Any, available: int | None, pf: Any) -> str:
+    """What would bring the prediction under ``available``, each with its predicted peak."""
+    from dataclasses import replace
+
+    options = []
+    if run.batch > 1:
+        options.append(("training.batch_size: 1", replace(run, batch=1)))
+    if run.seq > 128:
+        options.append((f"data.max_length: {run.seq // 2}", replace(run, seq=run.seq // 2)))
+    if run.tier == "ram":
+        options.append(("training.stream_source: disk", replace(run, tier="disk")))
+    if run.quant == "none":
+        options.append(("training.quantization: 4bit (NF4)", replace(run, quant="nf4")))
+    parts = []
+    for text, alternative in options:
+        total = pf.predict(shape, alternative).total
+        fits = available is None or total <= available
+        parts.append(f"{text} ({total / pf.MiB:,.0f} MiB{', fits' if fits else ''})")
+    parts.append(
+        "or set training.stream_allow_oom_attempt: true (soup train --allow-oom-attempt) to try anyway"
+    )
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -253,8 +351,19 @@ def soup_preflight(config: Any) -> PreflightReport | None:
 def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
     if backend != "transformers" or not getattr(config.training, "stream_layers", False):
         return None
+    import torch
     from soup_core import console
 
+    from soup_plugin_streaming import memwatch
     from soup_plugin_streaming.loader import load_streamed
 
-    return load_streamed(config, report=lambda line: console.print(line, markup=False, highlight=False))
+    def report(line: str) -> None:
+        console.print(line, markup=False, highlight=False)
+
+    if not torch.cuda.is_available() and memwatch.tame_allocator():
+        # the CPU pre-flight's prediction assumes it (see memwatch.tame_allocator)
+        report(
+            f"CPU allocator: blocks of {memwatch.MMAP_THRESHOLD // 1024} KiB and more are mapped on their "
+            "own and returned when freed, so a step's peak memory is its tensors' own"
+        )
+    return load_streamed(config, report=report)
