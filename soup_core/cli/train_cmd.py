@@ -54,11 +54,15 @@ def train(
     resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder "
                                       "(overrides training.resume_from)."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Train on N processes (DDP through torchrun)."),
+    allow_oom_attempt: bool = typer.Option(False, "--allow-oom-attempt", help="Train even when a memory "
+                                           "pre-flight predicts the run will not fit (layer streaming)."),
 ) -> None:
     """Train a model from a YAML config."""
     overrides = _overrides(lr=lr, epochs=epochs, max_steps=max_steps, batch_size=batch_size,
                            grad_accum=grad_accum, output=output, experiment_name=experiment_name,
                            backend=backend, base=base, data=data, seed=seed, resume=resume)
+    if allow_oom_attempt:  # the streaming plugin's field; without that plugin the config says which to install
+        overrides["training.stream_allow_oom_attempt"] = True
     code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc)
     raise typer.Exit(code)
 

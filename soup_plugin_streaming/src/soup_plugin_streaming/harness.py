@@ -305,7 +305,14 @@ def machine() -> dict[str, Any]:
     import platform
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    cpu = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((x.split(":", 1)[1].strip() for x in handle if x.startswith("model name")), None)
+    except OSError:
+        pass
     return {
+        "cpu": cpu,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
         f"Python {platform.python_version()}",
         "load_average": [round(x, 2) for x in load] if load else None,
