@@ -65,14 +65,18 @@ REQUIRED: Any = ...  # marker: a ConfigField with this default must be given
 class Support(NamedTuple):
     """One row of the support table: the ``fields`` the (``backend``, ``task``) pair honours.
 
-    Rows for the same pair from several plugins are merged (the streaming plugin adds its fields to
-    (transformers, sft)). A field set to a non-default value that the chosen pair does not honour is
-    refused at config time.
+    Rows for the same pair from several plugins are merged. A field set to a non-default value that the
+    chosen pair does not honour is refused at config time.
+
+    A row with ``task="*"`` and a ``capability`` adds its fields to every task of ``backend`` whose class
+    declares that capability and that has a row of its own (the streaming plugin's fields go to every
+    ``streamable`` task on transformers, a third party's included). It never makes a pair supported.
     """
 
     backend: str
     task: str
     fields: frozenset[str]
+    capability: str = ""
 
 
 # ------------------------------------------------------------------------------------------ data formats

@@ -9,6 +9,7 @@ inside :func:`soup_core.tracker.tracked_run`, so every exit path ends the row.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,7 @@ def execute(
     from soup_core.io import atomic_write
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
-    from soup_core.tracker import RunStopped, Tracker, tracked_run
+    from soup_core.tracker import RunStopped, Tracker
 
     config = plan.config
     rank, world_size = dist_env()
@@ -165,11 +166,49 @@ def execute(
             raise RuntimeError(f"backend {config.backend!r} (plugin {owner!r}): {type(exc).__name__}: {exc}") from exc
 
     if rank != 0:  # rank 0 owns the tracker row; the others just train under the id they were given
-        return _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
+        try:
+            summary = _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
+        except BaseException:
+            _close_process_group(wait=False)
+            raise
+        _close_process_group(wait=True)
+        return summary
+    try:
+        summary = _execute_rank0(tracker, start_kwargs, _train)
+    except BaseException:
+        _close_process_group(wait=False)
+        raise
+    _close_process_group(wait=True)
+    return summary
+
+
+def _close_process_group(*, wait: bool) -> None:
+    """Tear down the DDP process group before the interpreter exits.
+
+    Left to interpreter shutdown, gloo's worker threads can outlive the group and a rank aborts with
+    "terminate called without an active exception" after a run that finished. ``wait`` lines the
+    ranks up first, so no rank tears down while another still talks to it.
+    """
+    dist = sys.modules.get("torch.distributed")  # never import torch just to find it was not used
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if wait:
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: nothing left to line up with
+            pass
+    dist.destroy_process_group()
+
+
+def _execute_rank0(
+    tracker: Any, start_kwargs: dict[str, Any], train: Callable[[str], dict[str, Any]]
+) -> dict[str, Any]:
+    from soup_core.tracker import RunStopped, tracked_run
+
     summary: dict[str, Any] = {}
     try:
         with tracked_run(tracker, **start_kwargs) as rid:
-            summary = _train(rid)
+            summary = train(rid)
             summary.setdefault("run_id", rid)
             tracker.update_summary(rid, {k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
             if summary.get("status") == "stopped":  # a controller stopped it: the row says so, not "completed"

@@ -124,6 +124,36 @@ def test_support_rows_from_several_plugins_merge() -> None:
     assert plugins.support[("transformers", "echo")] == {"training.a", "training.b"}
 
 
+class CapableTask(Task):
+    name = "capable"
+    capabilities = frozenset({"shiny"})
+
+
+def test_a_capability_row_reaches_only_supported_tasks_that_declare_it() -> None:
+    tasks = make_plugin(
+        soup_register_tasks=[EchoTask, CapableTask],
+        soup_register_support=[
+            Support("transformers", "echo", frozenset({"training.a"})),
+            Support("transformers", "capable", frozenset({"training.a"})),
+        ],
+    )
+    extra = make_plugin(
+        soup_register_support=[Support("transformers", "*", frozenset({"training.x"}), capability="shiny")]
+    )
+    plugins = isolated_plugins(("extra", extra), ("tasks", tasks))  # order-independent: resolved on query
+    assert plugins.support[("transformers", "capable")] == {"training.a", "training.x"}
+    assert plugins.support[("transformers", "echo")] == {"training.a"}  # control: no capability, no field
+    assert ("transformers", "*") not in plugins.support
+    assert not any(task == "capable" for backend, task in plugins.support if backend == "mlx")
+
+
+def test_a_row_for_every_task_must_name_a_capability() -> None:
+    bad = make_plugin(soup_register_support=[Support("transformers", "*", frozenset({"training.x"}))])
+    plugins = isolated_plugins(("bad", bad))
+    assert plugins.plugins["bad"].status == FAILED
+    assert "needs a capability" in plugins.plugins["bad"].reason
+
+
 def test_selection_errors_name_the_installed_plugins() -> None:
     from soup_core.plugins import build_plugin_set
 

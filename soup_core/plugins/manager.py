@@ -19,7 +19,7 @@ from typing import Any
 import pluggy
 
 from soup_core import hookspecs
-from soup_core.contracts import Command, ConfigField, Probe, ProbeResult
+from soup_core.contracts import Command, ConfigField, Probe, ProbeResult, Support
 from soup_core.hookspecs import HOOK_API_VERSION, PROJECT
 from soup_core.plugins.registry import DuplicateNameError, Registry
 from soup_core.probes import run_probe
@@ -113,12 +113,25 @@ class PluginSet:
         self.controllers: Registry[type] = Registry("controller")
         self.commands: Registry[Command] = Registry("command")
         self.config_fields: Registry[ConfigField] = Registry("config field")
-        self.support: dict[tuple[str, str], frozenset[str]] = {}
+        self._pair_support: dict[tuple[str, str], frozenset[str]] = {}
+        self._capability_support: list[Support] = []
         #: probes that failed for one scope ("task:ppo", "backend:mlx") -> (plugin, result)
         self.unavailable_scopes: dict[str, tuple[str, ProbeResult]] = {}
         self.failures: list[str] = []
 
     # ------------------------------------------------------------------------------------ queries
+    @property
+    def support(self) -> dict[tuple[str, str], frozenset[str]]:
+        """(backend, task) -> the fields that pair honours: each pair's own rows, plus the capability
+        rows (``task="*"``) whose capability the task declares."""
+        table = dict(self._pair_support)
+        for row in self._capability_support:
+            for backend, task in table:
+                cls = self.tasks.get(task)
+                if backend == row.backend and row.capability in (getattr(cls, "capabilities", ()) or ()):
+                    table[(backend, task)] = table[(backend, task)] | frozenset(row.fields)
+        return table
+
     def owner_of(self, kind: str, name: str) -> str:
         return getattr(self, kind).owner(name)
 
@@ -276,6 +289,12 @@ class PluginSet:
                     if trace:
                         print(f"[hook] {hook_name}: {plugin} registered {len(items)}", file=sys.stderr)
             staged[hook_name] = items
+        for row in staged["soup_register_support"]:
+            if (row.task == "*") != bool(row.capability):
+                raise ValueError(
+                    f"support row ({row.backend}, {row.task}): a row for every task (task='*') needs a "
+                    "capability, and only such a row may name one"
+                )
         return staged
 
     def _commit(self, plugin: str, staged: dict[str, list[Any]], info: PluginInfo) -> None:
@@ -301,8 +320,11 @@ class PluginSet:
             if names:
                 info.provides[attr.replace("_", " ")] = names
         for row in staged["soup_register_support"]:
+            if row.task == "*":
+                self._capability_support.append(row)
+                continue
             key = (row.backend, row.task)
-            self.support[key] = self.support.get(key, frozenset()) | frozenset(row.fields)
+            self._pair_support[key] = self._pair_support.get(key, frozenset()) | frozenset(row.fields)
         info.probes = list(staged["soup_register_probes"])
 
     def _cheap_probes(self, info: PluginInfo) -> None:

@@ -84,7 +84,8 @@ def soup_register_config_fields() -> list[ConfigField]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    return [Support(backend="transformers", task="sft", fields=frozenset(FIELDS))]
+    # every transformers task that declares it trains a streamed model exactly (sft; dpo, ipo, bco)
+    return [Support(backend="transformers", task="*", fields=frozenset(FIELDS), capability="streamable")]
 
 
 # ---------------------------------------------------------------------------------------------- probes
