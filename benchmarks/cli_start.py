@@ -36,7 +36,10 @@ def main() -> None:
     soup = shutil.which("soup", path=str(Path(sys.executable).parent)) or shutil.which("soup")
     soup_cmd = [soup, "--help"] if soup else [sys.executable, "-m", "soup_core", "--help"]
     typer_cmd = [sys.executable, "-c", "import typer"]
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="0")
+    # pip writes .pyc files when it installs a package, so a user's start never compiles source; the
+    # warm-up run below writes them here (any non-empty PYTHONDONTWRITEBYTECODE, "0" included, forbids it)
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if args.plugins is not None:
         env["SOUP_LOAD_PLUGINS"] = args.plugins
     for cmd in (soup_cmd, typer_cmd):  # warm the page cache and the .pyc files

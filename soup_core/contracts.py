@@ -47,9 +47,10 @@ class Probe(NamedTuple):
 class ConfigField(NamedTuple):
     """A config field a plugin adds, by full dotted path (``training.rewind_log``, ``data.forget``).
 
-    ``annotation`` is a type pydantic understands; ``default`` is used when the key is absent (use
-    ``REQUIRED`` for a field the user must set). ``observer=True`` marks a switch for a recorder: it is
-    never refused by the support table.
+    ``annotation`` is a type pydantic understands, or ``"module:attr"`` naming one: imported only when a
+    config is validated, so a type built with pydantic costs nothing at start-up. ``default`` is used
+    when the key is absent (use ``REQUIRED`` for a field the user must set). ``observer=True`` marks a
+    switch for a recorder: it is never refused by the support table.
     """
 
     path: str

@@ -30,11 +30,13 @@ print("HEAVY=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(
 """
 
 
-def heavy_imports(args: list[str], tmp_path: Path, pre_import: str = "") -> list[str]:
-    """The heavy modules loaded by `soup ARGS` in a fresh interpreter; the command must succeed."""
+def heavy_imports(
+    args: list[str], tmp_path: Path, pre_import: str = "", heavy: tuple[str, ...] = HEAVY
+) -> list[str]:
+    """The ``heavy`` modules loaded by `soup ARGS` in a fresh interpreter; the command must succeed."""
     path = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, SOUP_HOME=str(tmp_path), PYTHONPATH=path)
-    cmd = [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY), pre_import]
+    cmd = [sys.executable, "-c", PROBE, json.dumps(args), json.dumps(heavy), pre_import]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     codes = [ln for ln in proc.stderr.splitlines() if ln.startswith("CODE=")]
     assert codes, proc.stderr
@@ -58,3 +60,16 @@ def test_light_commands_import_no_heavy_library(args: list[str], tmp_path: Path)
 def test_control_probe_detects_a_heavy_import(tmp_path: Path) -> None:
     # the same harness, with torch imported before the command: the probe must report it
     assert "torch" in heavy_imports(["--help"], tmp_path, pre_import="torch")
+
+
+#: what building a config schema costs; `soup --help` with every installed plugin must not pay it (plugins
+#: name their pydantic-built field types as "module:attr")
+SCHEMA_LIBRARIES = ("pydantic", "pydantic_core", "annotated_types")
+
+
+def test_help_with_every_installed_plugin_imports_no_schema_library(tmp_path: Path) -> None:
+    assert heavy_imports(["--help"], tmp_path, heavy=SCHEMA_LIBRARIES) == []
+
+
+def test_control_the_schema_probe_sees_pydantic(tmp_path: Path) -> None:
+    assert "pydantic" in heavy_imports(["--help"], tmp_path, pre_import="pydantic", heavy=SCHEMA_LIBRARIES)

@@ -237,3 +237,30 @@ def test_collision_from_a_plugin_set_names_the_plugin() -> None:
     )
     with pytest.raises(ValueError, match="plugin 'seedy' declares config field 'data.seed', which is a core field"):
         ConfigSchema.from_plugins(plugins)
+
+
+def test_a_type_named_as_module_attr_is_imported_only_when_a_config_is_validated(tmp_path, monkeypatch) -> None:
+    import sys
+
+    (tmp_path / "lazy_soup_types.py").write_text(
+        "from typing import Annotated\n"
+        "from pydantic import Field\n"
+        "Buffers = Annotated[int, Field(ge=2, le=8)]\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    field = ConfigField("training.buffers", "lazy_soup_types:Buffers", 2, "Buffers.")
+    schema = make_schema(
+        [field], support={("transformers", "sft"): CORE | {"training.buffers"}}
+    )
+    assert "lazy_soup_types" not in sys.modules
+    config = load_config_text("base: m\ndata: {train: t.jsonl}\ntraining: {buffers: 4}\n", plugins=schema)
+    assert config.training.buffers == 4 and "lazy_soup_types" in sys.modules
+    with pytest.raises(ConfigError, match="training.buffers"):  # control: the named type's bound holds
+        load_config_text("base: m\ndata: {train: t.jsonl}\ntraining: {buffers: 1}\n", plugins=schema)
+
+
+def test_a_type_name_that_cannot_be_imported_names_the_plugin() -> None:
+    schema = make_schema([ConfigField("training.buffers", "no_such_module_here:Type", 2, "Buffers.")])
+    with pytest.raises(ValueError, match="plugin 'testplug' gives config field 'training.buffers' the type"):
+        _ = schema.model

@@ -63,10 +63,13 @@ def _version_line() -> str:
 
 
 def build_app() -> typer.Typer:
-    """Build the typer app from the loaded plugin set's commands."""
+    """Build the typer app from the loaded plugin set's commands (each built when it is used)."""
+    from soup_core.cli.lazy_group import group_class
     from soup_core.plugins import load_plugins
 
+    plugins = load_plugins()
     app = typer.Typer(
+        cls=group_class(dict(plugins.commands.items())),
         name="soup",
         help="Fine-tune and post-train language models from one YAML file and one command.\n\n"
         + EXIT_CODES_HELP,
@@ -88,13 +91,6 @@ def build_app() -> typer.Typer:
             typer.echo(_version_line())
             raise typer.Exit(0)
 
-    plugins = load_plugins()
-    for name, command in plugins.commands.items():
-        target = command.target
-        if isinstance(target, typer.Typer):
-            app.add_typer(target, name=name, help=command.help or None)
-        else:
-            app.command(name=name, help=command.help or None)(target)
     return app
 
 

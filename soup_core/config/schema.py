@@ -9,6 +9,7 @@ is never a float or a bool, a number is never a bool. Plugin fields are added wi
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
@@ -234,9 +235,26 @@ class ConfigSchema:
                 *parents, leaf = path.split(".")
                 for part in parents:
                     node = node.setdefault(part, {})
-                node[leaf] = config_field
+                node[leaf] = config_field._replace(annotation=self._annotation(path, config_field.annotation))
             self._model = _assemble(SoupConfig, "SoupConfig", tree) if tree else SoupConfig
         return self._model
+
+    def _annotation(self, path: str, annotation: Any) -> Any:
+        """A ``"module:attr"`` annotation imported now: plugins name types built with pydantic that way, so
+        that registering their fields at every start imports nothing."""
+        if not isinstance(annotation, str):
+            return annotation
+        module, _, attr = annotation.partition(":")
+        try:
+            value: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                value = getattr(value, part)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(
+                f"plugin {self.owner(path)!r} gives config field {path!r} the type {annotation!r}, which "
+                f"cannot be imported ({type(exc).__name__}: {exc}); report this to the plugin's author"
+            ) from exc
+        return value
 
     def _fields_index(self) -> dict[str, tuple[Any, type[BaseModel] | None]]:
         if self._index is None:

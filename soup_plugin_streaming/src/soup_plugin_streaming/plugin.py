@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator
 from soup_core import ConfigField, LoadedModel, PreflightReport, Probe, ProbeResult, Support, hookimpl, probes
 
 SOUP_HOOK_API = (1, 1)
@@ -23,20 +22,6 @@ FIX_INSTALL = "pip install soup-plugin-streaming"
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 
 
-def _check_buffers(value: int) -> int:
-    if value == 1:
-        raise ValueError(
-            "1 buffer cannot overlap loading the next layer with computing this one "
-            "(the layer in use would be "
-            "overwritten); use 2 (the default) to 8"
-        )
-    if not 2 <= value <= 8:
-        raise ValueError(f"must be between 2 and 8, got {value}")
-    return value
-
-
-StreamBuffers = Annotated[int, AfterValidator(_check_buffers)]
-
 #: path -> (annotation, default, description)
 FIELDS: dict[str, tuple[Any, Any, str]] = {
     "training.stream_layers": (
@@ -45,7 +30,7 @@ FIELDS: dict[str, tuple[Any, Any, str]] = {
         "Stream the frozen base one decoder layer at a time (LoRA only), bit-exact against a resident run.",
     ),
     "training.stream_buffers": (
-        StreamBuffers,
+        "soup_plugin_streaming.fields:StreamBuffers",  # built with pydantic: imported when a config is read
         2,
         "Layer buffers (2..8): one computes while the next loads.",
     ),

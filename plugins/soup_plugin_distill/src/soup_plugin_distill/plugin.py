@@ -1,7 +1,8 @@
 """The ``distill`` plugin's hooks: the task, its config fields and support row, probes and the pre-flight.
 
-Import-light (this module is imported at every CLI start): pydantic is imported when the config fields are
-asked for, torch/transformers/trl only when a run builds the trainer.
+Import-light (this module is imported at every CLI start): pydantic is imported when a config is validated
+(the field types are named in :mod:`soup_plugin_distill.field_types`), torch/transformers/trl only when
+a run builds the trainer.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def soup_register_tasks() -> list[type]:
     return [DistillTask]
 
 
+#: pydantic-built types, named so that registering the fields at every start imports nothing
+_TYPES = "soup_plugin_distill.field_types:"
+
+
 @hookimpl
 def soup_register_config_fields() -> list[ConfigField]:
-    from typing import Annotated, Literal
-
-    from pydantic import Field
+    from typing import Literal
 
     from soup_plugin_distill.bounds import TEMPERATURE_RANGE, WEIGHT_RANGE
 
@@ -47,7 +50,7 @@ def soup_register_config_fields() -> list[ConfigField]:
     return [
         ConfigField(
             "training.teacher_model",
-            Annotated[str, Field(min_length=1)] | None,
+            _TYPES + "TeacherModel",
             None,
             "task distill: the teacher to distil from, a local model folder or a hub id; it must share the "
             "student's tokenizer (required for task distill, refused for other tasks).",
@@ -62,14 +65,14 @@ def soup_register_config_fields() -> list[ConfigField]:
         ),
         ConfigField(
             "training.distill_temperature",
-            Annotated[float, Field(ge=low_t, le=high_t)],
+            _TYPES + "Temperature",
             DEFAULT_TEMPERATURE,
             f"task distill: softmax temperature T ({low_t:g}..{high_t:g}) for both models; the divergence is "
             "scaled by T^2.",
         ),
         ConfigField(
             "training.distill_weight",
-            Annotated[float, Field(ge=low_w, le=high_w)],
+            _TYPES + "Weight",
             DEFAULT_WEIGHT,
             "task distill: loss = (1 - w) * cross-entropy + w * T^2 * divergence; 0 is plain sft, 1 is "
             "distillation alone.",

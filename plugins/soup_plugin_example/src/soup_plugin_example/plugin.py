@@ -1,7 +1,8 @@
 """The hooks Soup calls on the ``example`` plugin (the entry point ``example`` names this module).
 
 Registration is cheap: this module is imported at every CLI start, ``soup --help`` included, so it imports
-soup-core's light public API only; pydantic is imported when the config fields are asked for, and torch,
+soup-core's light public API only; pydantic is imported when a config is validated (the field types
+are named in :mod:`soup_plugin_example.field_types`), and torch,
 transformers and trl only when a run builds the trainer.
 """
 
@@ -37,9 +38,7 @@ def soup_register_data_formats() -> list[DataFormat]:
 
 @hookimpl
 def soup_register_config_fields() -> list[ConfigField]:
-    from typing import Annotated, Literal
-
-    from pydantic import Field
+    from typing import Literal
 
     return [
         ConfigField(
@@ -51,7 +50,8 @@ def soup_register_config_fields() -> list[ConfigField]:
         ),
         ConfigField(
             "training.weight_clip",
-            Annotated[float, Field(gt=0)] | None,
+            # built with pydantic, so named: imported when a config is read, not at every start
+            "soup_plugin_example.field_types:PositiveWeightOrNone",
             None,
             "task weighted_sft: row weights above this are clipped to it (unset: no clipping).",
         ),

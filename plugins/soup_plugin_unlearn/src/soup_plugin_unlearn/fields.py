@@ -1,4 +1,5 @@
-"""The unlearn task's config fields, defaults and support-table row. Import-light (pydantic types only).
+"""The unlearn task's config fields, defaults and support-table row. Import-light: the pydantic-built types
+are named as ``"module:attr"`` (in :mod:`soup_plugin_unlearn.field_types`), imported when a config is read.
 
 Every default is written here once and shown by ``soup plugins list`` / the config docs through the field
 descriptions. ``unlearn_alpha: 0`` means exactly zero: the retain term is not computed at all.
@@ -6,9 +7,7 @@ descriptions. ``unlearn_alpha: 0`` means exactly zero: the retain term is not co
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
-from pydantic import Field
+from typing import Any, Literal
 
 from soup_core.contracts import ConfigField
 
@@ -22,10 +21,7 @@ DEFAULT_GAMMA = 0.0
 #: RMU's steering coefficient c (Li et al., 2024 use 6.5 on a 7B model; its activations scale with width).
 DEFAULT_RMU_COEFF = 6.5
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-LayerIndex = Annotated[int, Field(ge=0)]
-StepCount = Annotated[int, Field(ge=1)]
+_TYPES = "soup_plugin_unlearn.field_types:"
 
 FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
@@ -51,14 +47,14 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "training.unlearn_alpha",
-        NonNegativeFloat,
+        _TYPES + "NonNegativeFloat",
         DEFAULT_ALPHA,
         "Weight of the retain loss (cross-entropy for npo/simnpo, activation distance for rmu). 0 trains on "
         "the forget loss alone: the retain term is not computed.",
     ),
     ConfigField(
         "training.unlearn_beta",
-        PositiveFloat | None,
+        _TYPES + "PositiveFloatOrNone",
         None,
         "β of npo and simnpo (the inverse temperature of the sigmoid). Unset: 0.1 for npo, 2.5 for simnpo.",
     ),
@@ -70,20 +66,20 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "training.unlearn_rmu_layer",
-        LayerIndex | None,
+        _TYPES + "LayerIndexOrNone",
         None,
         "rmu: the decoder layer (0-based) whose output is steered. Unset: the middle one (layers // 2).",
     ),
     ConfigField(
         "training.unlearn_rmu_coeff",
-        PositiveFloat,
+        _TYPES + "PositiveFloat",
         DEFAULT_RMU_COEFF,
         "rmu: the steering coefficient c; forget activations are pushed toward c·u, u a fixed random unit "
         "vector drawn from training.seed. Default 6.5.",
     ),
     ConfigField(
         "training.unlearn_eval_steps",
-        StepCount | None,
+        _TYPES + "StepCountOrNone",
         None,
         "Measure forget-set and retain-set loss every N optimizer steps (always at the start and the end).",
     ),

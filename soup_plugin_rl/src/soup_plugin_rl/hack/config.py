@@ -1,17 +1,16 @@
 """The reward-hack controller's config: every ``training.reward_hack_*`` field, which mode uses it, and the
 pre-flight check that refuses a tunable set for a mode that does not read it.
 
-Light at import (typing and annotated_types; pydantic reads the constraints when the config is built):
-imported when the plugin registers its fields, at every CLI start.
+Light at import: imported when the plugin registers its fields, at every CLI start, so the constrained
+types are named (``"module:attr"``, in :mod:`soup_plugin_rl.hack.field_types`) and imported when a config
+is validated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Annotated, Any, Literal, NamedTuple
-
-from annotated_types import Ge, Gt, Le, Lt
+from typing import Any, Literal, NamedTuple
 
 from soup_core import ConfigField, PreflightReport
 
@@ -28,11 +27,12 @@ _KL = frozenset({"kl_control"})
 _PID = frozenset({"pid_lagrangian"})
 
 Mode = Literal["off", "log_only", "kl_control", "pid_lagrangian"]
-Fraction = Annotated[float, Gt(0), Le(1)]
-OpenFraction = Annotated[float, Ge(0), Lt(1)]
-Positive = Annotated[float, Gt(0)]
-NonNegative = Annotated[float, Ge(0)]
-Count = Annotated[int, Ge(1), Le(100_000)]
+_TYPES = "soup_plugin_rl.hack.field_types:"
+Fraction = _TYPES + "Fraction"
+OpenFraction = _TYPES + "OpenFraction"
+Positive = _TYPES + "Positive"
+NonNegative = _TYPES + "NonNegative"
+Count = _TYPES + "Count"
 
 
 class Tunable(NamedTuple):
@@ -92,7 +92,7 @@ TUNABLES: tuple[Tunable, ...] = (
     ),
     Tunable(
         "smoothing_window",
-        Annotated[int, Ge(2), Le(256)],
+        _TYPES + "Window",
         8,
         _WATCH,
         "steps the smoothing looks back over (only with smoothing ema or median).",
@@ -105,7 +105,7 @@ TUNABLES: tuple[Tunable, ...] = (
         "the first steps with a signal set each signal's healthy baseline (their mean); no verdict then.",
     ),
     Tunable(
-        "warn_at", Annotated[float, Gt(0), Lt(1)], 0.10, _WATCH, "the vote from which a step is judged warn."
+        "warn_at", _TYPES + "OpenUnit", 0.10, _WATCH, "the vote from which a step is judged warn."
     ),
     Tunable(
         "hack_at",
@@ -140,7 +140,7 @@ TUNABLES: tuple[Tunable, ...] = (
     ),
     Tunable(
         "gain",
-        Annotated[float, Gt(1), Le(100)],
+        _TYPES + "Gain",
         1.5,
         _KL,
         "kl_control: β is multiplied by this to raise it and divided by it to relax it.",
