@@ -179,7 +179,8 @@ class Recorder:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     #: False for a recorder that ignores micro-batch events: when no recorder wants them, a backend may
-    #: skip computing per-row statistics altogether.
+    #: skip computing per-row statistics altogether. Read at every micro-batch, so a recorder may make it
+    #: a property that turns False once it has switched itself off.
     wants_micro_batches: ClassVar[bool] = True
 
     def on_run_start(self, event: RunStart) -> None:

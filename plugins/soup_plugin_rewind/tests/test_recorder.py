@@ -104,6 +104,18 @@ def test_rewind_log_false_writes_nothing_and_says_nothing(tmp_path: Path) -> Non
     assert (tmp_path / "rewind.jsonl").read_text() == "old\n"
 
 
+def test_a_recorder_that_is_off_stops_asking_for_per_row_losses(tmp_path: Path) -> None:
+    from soup_core.run_events import RunEvents
+
+    off = RunEvents(recorders=[(RewindRecorder(report=lambda _: None), "rewind")])
+    on = RunEvents(recorders=[(RewindRecorder(report=lambda _: None), "rewind")])
+    assert off.has_recorders and on.has_recorders  # before the run starts, nobody knows
+    off.run_start(start(tmp_path / "off", on=False))
+    on.run_start(start(tmp_path / "on"))
+    assert not off.has_recorders  # the backend may skip the per-row work
+    assert on.has_recorders  # control: a recording log still wants it
+
+
 def test_a_task_without_per_row_losses_switches_it_off_with_one_line(tmp_path: Path) -> None:
     run = Run(tmp_path, task="dpo")
     run.rec.on_optimizer_step(OptimizerStep(1))

@@ -175,6 +175,12 @@ class RewindRecorder(Recorder):
         self._task = ""
         self._backend = ""
 
+    @property
+    def wants_micro_batches(self) -> bool:  # type: ignore[override]
+        """False once the log is off (``rewind_log: false``, a task without per-row losses, a write
+        error): the backend then stops computing per-row losses for it."""
+        return self._state in ("idle", "recording")
+
     # -------------------------------------------------------------------------------- the hooks
 
     def on_run_start(self, event: RunStart) -> None:
