@@ -76,6 +76,14 @@ def use_disabled_adapters_as_reference(trainer: Any, report: Any) -> str:
     if fresh_adapter(model):
         model.delete_adapter("ref")
         return "reference: the base with the adapter disabled (no second copy in memory)"
+    if any(p.is_meta for name, p in model.named_parameters() if ".ref." in name):
+        # PEFT puts a new adapter on its base layer's device, and a streamed model's base layers are on the
+        # meta device: trl's copy holds no values, so the reference would be garbage or fail mid-step.
+        raise BackendError(
+            "the reference for a pre-trained adapter is trl's copy of it, and that copy cannot live in a "
+            "model whose base layers are streamed; set training.stream_layers: false, or start from a fresh "
+            "adapter"
+        )
     report("reference: the adapter as loaded (a pre-trained adapter), kept as trl's 'ref' adapter copy")
     return "reference: trl's copy of the pre-trained adapter"
 

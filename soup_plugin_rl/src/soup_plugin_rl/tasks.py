@@ -7,6 +7,9 @@ from typing import Any, ClassVar
 from soup_core.contracts import Backend, Task
 
 PAIRWISE = ("preference",)
+#: dpo, ipo, bco train a streamed model (training.stream_layers) bit for bit as they train the resident
+#: one (tests/test_streaming_dpo.py); the other tasks have not been shown to, so streaming refuses them
+DPO_FAMILY = frozenset({"per_row_losses", "reference_by_disabling_adapters", "streamable"})
 
 #: ``training.grpo_variant`` values, in the order the README lists them (``variants.VARIANTS`` has one entry
 #: per name; kept here so that registering the config field imports nothing else).
@@ -35,7 +38,7 @@ class DPOTask(_RLTask):
     name = "dpo"
     description = "direct preference optimisation on chosen/rejected pairs (trl DPOTrainer)"
     formats = PAIRWISE
-    capabilities = frozenset({"per_row_losses", "reference_by_disabling_adapters"})
+    capabilities = DPO_FAMILY
     needs_reference = True
 
 
@@ -46,7 +49,7 @@ class IPOTask(_RLTask):
     name = "ipo"
     description = "identity preference optimisation, a squared-margin DPO (trl DPOTrainer, loss_type ipo)"
     formats = PAIRWISE
-    capabilities = frozenset({"per_row_losses", "reference_by_disabling_adapters"})
+    capabilities = DPO_FAMILY
     needs_reference = True
 
 
@@ -58,7 +61,7 @@ class BCOTask(_RLTask):
     name = "bco"
     description = "binary classifier optimisation on pairs (trl DPOTrainer, loss_type bco_pair)"
     formats = PAIRWISE
-    capabilities = frozenset({"per_row_losses", "reference_by_disabling_adapters"})
+    capabilities = DPO_FAMILY
     needs_reference = True
 
 
