@@ -101,6 +101,7 @@ def run_trl(base: Path, out: Path, steps: int) -> float:
         logging_steps=1,
         disable_tqdm=True,
         save_strategy="no",
+        disable_dropout=True,  # as soup's grpo sets it: log-probabilities must not depend on a dropout draw
     )
     peft = LoraConfig(
         r=SETTINGS["lora_r"],

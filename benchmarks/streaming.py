@@ -11,10 +11,15 @@ vocabulary 8192 (222M parameters, 888 MB in float32), LoRA r=8 on the seven proj
     the result is the median of the pair ratios of tokens/s. Goal: streamed / resident-with-checkpointing
     >= 0.90.
 (b) Memory: ``soup train`` in a fresh process per arm (the calibration harness of the plugin: the peak of
-    the process's anonymous memory over the training steps, above its baseline just before the model is
-    built): streamed from disk, streamed from RAM, resident with and without checkpointing. Goal: disk tier
-    / resident <= 0.35. The resident arms run with the same allocator setting the streaming plugin applies
-    on the CPU (``MALLOC_MMAP_THRESHOLD_=65536``), so the comparison is of tensors, not of allocators.
+    the process's anonymous memory, sampled every millisecond by a thread during the training steps and
+    checked against the kernel's high-water mark, above its baseline just before the model is built):
+    streamed from disk, streamed from RAM, resident with and without checkpointing, all training in
+    float32. Twice: from the model saved in bfloat16 (as hub checkpoints are; ``training.dtype: auto`` is
+    float32 on the CPU, so the resident model converts its weights into anonymous memory) -- the headline --
+    and from the float32 save, whose weights transformers maps from the file (file-backed, so there the
+    resident set is the fair comparison). Goal: disk tier / resident <= 0.35. The resident arms run with
+    the same allocator setting the streaming plugin applies on the CPU (``MALLOC_MMAP_THRESHOLD_=65536``),
+    so the comparison is of tensors, not of allocators.
     Then once for real: a 5.1 GB model (hidden 2048, 24 layers, 1.27B parameters) trains from the disk tier
     in a process whose private writable memory is capped below its weights with ``RLIMIT_DATA`` (set with
     ``setrlimit`` in the child, what ``prlimit --data`` does; a cgroup is not available to us here). The
@@ -26,7 +31,8 @@ step against the pre-flight's device budget, and the share of the step the compu
 for a layer copy (CUDA events around each wait).
 
 Usage: python benchmarks/streaming.py [--device cpu|cuda] [--rounds 4] [--steps 2] [--record]
-       [--skip speed,memory,larger]
+       [--only speed,memory,larger] [--skip ...] [--memory-steps 3] [--long-steps 12]
+``--record`` merges into the recorded result: the parts not run keep their recorded sections.
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": list(pr
 SHARED_NOTE = (
     "2 CPU cores shared with other jobs (other developers' tests) running at the same time; absolute "
     "times are noisy, so speed is compared as ratios of interleaved steps"
+)
+MEMORY_LOAD_NOTE = (
+    "2 CPU cores shared with other jobs (other developers' tests) running at the same time: that makes the "
+    "runs slower (their seconds are noisy) but does not change how much memory a process holds"
 )
 
 
@@ -283,13 +293,26 @@ def _prediction(model_dir: Path, run: dict[str, Any]) -> preflight.Budget:
 
 
 def _summary(result: dict[str, Any], predicted: preflight.Budget | None = None) -> dict[str, Any]:
+    end = result.get("end", {})
+    baseline = result.get("baseline_anon")
     out = {
         "ok": result.get("exit_code") == 0,
         "peak_anon_above_baseline": result.get("peak_above_baseline"),
+        # the two readings behind that peak (memwatch keeps the larger): the 1 ms sampler thread, and the
+        # kernel's resident high-water mark less the file-backed pages at the end of the window
+        "sampled_peak_anon_above_baseline": None
+        if baseline is None
+        else result.get("sampled_peak_anon", 0) - baseline,
+        "hwm_peak_anon_above_baseline": None
+        if baseline is None
+        else result.get("hwm_peak_anon", 0) - baseline,
+        "samples": result.get("samples"),
+        "window_seconds": result.get("seconds"),
+        "steps_seen": len(result.get("steps", [])),
         "peak_rss_above_baseline": result.get("peak_rss_above_baseline"),
-        "file_backed_at_end": result.get("end", {}).get("RssFile"),
-        "baseline_anon": result.get("baseline_anon"),
-        "seconds": result.get("seconds"),
+        "file_backed_at_end": end.get("RssFile"),
+        "anon_at_end_above_baseline": None if baseline is None else end.get("RssAnon", 0) - baseline,
+        "baseline_anon": baseline,
     }
     if not out["ok"]:
         out["error"] = next((x for x in result.get("log_tail", []) if x.startswith("error:")), None)
@@ -300,56 +323,162 @@ def _summary(result: dict[str, Any], predicted: preflight.Budget | None = None) 
     return out
 
 
-def memory(model_dir: Path, work: Path, *, batch: int, seq: int, steps: int) -> dict[str, Any]:
-    """(b) and (c) for the benchmark model."""
-    base = {"batch": batch, "seq": seq, "buffers": 2, "quant": "none", "dtype": "float32"}
+def disk_ratios(arms: dict[str, dict[str, Any]], disk: str = "streamed_disk") -> dict[str, dict[str, float]]:
+    """The disk arm's peaks over each resident arm's, in anonymous memory (the peak memwatch keeps, and the
+    sampler's alone) and in the resident set (anonymous + file-backed pages the process maps)."""
+    keys = {
+        "anonymous": "peak_anon_above_baseline",
+        "anonymous_sampled": "sampled_peak_anon_above_baseline",
+        "resident_set": "peak_rss_above_baseline",
+    }
+    out: dict[str, dict[str, float]] = {}
+    for other in ("resident_checkpointed", "resident"):
+        if other not in arms or not arms[other].get("ok") or not arms[disk].get("ok"):
+            continue
+        out[f"disk_over_{other}"] = {
+            name: round(arms[disk][key] / arms[other][key], 4)
+            for name, key in keys.items()
+            if arms[disk].get(key) and arms[other].get(key)
+        }
+    return out
+
+
+def checkpoint_copy(model_dir: Path, dtype: str) -> Path:
+    """The benchmark model saved in ``dtype`` (as hub checkpoints are: bfloat16) beside the float32 one,
+    through transformers' own ``save_pretrained``; the float32 folder itself for ``float32``."""
+    if dtype == "float32":
+        return model_dir
+    folder = model_dir.with_name(f"{model_dir.name}-{dtype}")
+    if (folder / "config.json").is_file() and list(folder.glob("*.safetensors")):
+        return folder
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(tmp))
+    del model
+    gc.collect()
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+MEMORY_METHOD = (
+    "one `soup train` process per arm (soup_plugin_streaming.harness). Baseline: the process's RssAnon "
+    "just before the model is built (imports, config and rows loaded). Window: from run start (model and "
+    "trainer built) to run end, so it covers the training steps. Peak: the larger of (1) a sampler thread "
+    "reading RssAnon from /proc/self/status every 1 ms during the window, and (2) the kernel's high-water "
+    "mark VmHWM, reset through /proc/self/clear_refs when the window opens, less the file-backed and "
+    "shared pages at its end; both readings are recorded per arm. Anonymous = RssAnon (not file-backed); "
+    "resident set = VmRSS (anonymous + file-backed pages the process maps)."
+)
+
+FLOAT32_NOTE = (
+    "float32 checkpoint trained in float32: transformers maps the safetensors file copy-on-write (a "
+    "private rw-p mapping) and, the dtype being the file's, uses the mapped tensors as they are, so the "
+    "resident arms' frozen weights are file-backed pages of the process (file_backed_at_end, ~1 GB), not "
+    "anonymous memory; their anonymous peak holds only activations, adapters and optimizer state, and the "
+    "anonymous ratio says nothing about the weights. The resident set (anonymous + file-backed) is the "
+    "comparison for this case. Those pages are still the process's RAM: the larger-than-memory run shows "
+    "that the same mapping counts against RLIMIT_DATA and the resident run cannot even load under a cap"
+)
+
+BF16_NOTE = (
+    "bfloat16 checkpoint (how hub checkpoints ship) trained in float32 (training.dtype: auto is float32 on "
+    "the CPU): the resident arms convert every weight on load, so their frozen weights are anonymous "
+    "memory held through the run; the disk tier converts once into its own float32 store on disk and "
+    "holds only its buffers, the embeddings/norm/head, adapters and one step's activations. This is the "
+    "headline (b)"
+)
+
+
+def memory(
+    model_dirs: dict[str, Path], work: Path, *, batch: int, seq: int, steps: int, long_steps: int = 12
+) -> dict[str, Any]:
+    """(b) and (c) for the benchmark model, per checkpoint dtype (``model_dirs``: dtype -> folder); every
+    arm trains in float32."""
     tame = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    arms: dict[str, Any] = {}
-    for name, run, stream in (
-        ("streamed_disk", {**base, "tier": "disk"}, True),
-        ("streamed_ram", {**base, "tier": "ram"}, True),
-        ("resident_checkpointed", {**base, "tier": "disk", "checkpointing": True}, False),
-        ("resident", {**base, "tier": "disk"}, False),
-    ):
-        result = _soup_run(
-            name, model_dir, work, run=run, stream=stream, steps=steps, env=None if stream else tame
-        )
-        arms[name] = _summary(result, _prediction(model_dir, run) if stream else None)
-        print(
-            f"  {name}: {json.dumps({k: v for k, v in arms[name].items() if k != 'predicted_parts'})}",
-            flush=True,
-        )
+    sections: dict[str, Any] = {}
+    for ckpt, model_dir in model_dirs.items():
+        # bf16: `auto` is what a user writes (float32 on the CPU); fp32: as recorded before
+        base = {
+            "batch": batch,
+            "seq": seq,
+            "buffers": 2,
+            "quant": "none",
+            "dtype": "auto" if ckpt != "float32" else "float32",
+        }
+        arms: dict[str, Any] = {}
+        for name, run, stream in (
+            ("streamed_disk", {**base, "tier": "disk"}, True),
+            ("streamed_ram", {**base, "tier": "ram"}, True),
+            ("resident_checkpointed", {**base, "tier": "disk", "checkpointing": True}, False),
+            ("resident", {**base, "tier": "disk"}, False),
+        ):
+            result = _soup_run(
+                f"{ckpt}-{name}",
+                model_dir,
+                work,
+                run=run,
+                stream=stream,
+                steps=steps,
+                env=None if stream else tame,
+            )
+            arms[name] = _summary(result, _prediction(model_dir, run) if stream else None)
+            shown = {k: v for k, v in arms[name].items() if k != "predicted_parts"}
+            print(f"  {ckpt} {name}: {json.dumps(shown)}", flush=True)
+        sections[ckpt] = {
+            "checkpoint": str(model_dir),
+            "checkpoint_bytes": sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
+            "training_dtype": "float32",
+            "config_dtype": base["dtype"],
+            "arms": arms,
+            **disk_ratios(arms),
+            "note": BF16_NOTE if ckpt != "float32" else FLOAT32_NOTE,
+        }
 
     # the calibration measures 3 steps: a longer run of the disk arm shows whether anything keeps growing
+    first = next(iter(model_dirs))
+    run = {"batch": batch, "seq": seq, "buffers": 2, "quant": "none", "tier": "disk"}
+    run["dtype"] = "auto" if first != "float32" else "float32"
     long_ = _soup_run(
-        "streamed_disk_12_steps", model_dir, work, run={**base, "tier": "disk"}, stream=True, steps=12
+        f"{first}-streamed_disk_{long_steps}_steps",
+        model_dirs[first],
+        work,
+        run=run,
+        stream=True,
+        steps=long_steps,
     )
-    arms["streamed_disk_12_steps"] = {
-        **_summary(long_, _prediction(model_dir, {**base, "tier": "disk"})),
-        "between_steps": [s["anon"] - long_["baseline_anon"] for s in long_.get("steps", [])],
+    long_summary = {
+        "checkpoint_dtype": first,
+        **_summary(long_, _prediction(model_dirs[first], run)),
+        "anon_after_each_step": [s["anon"] - long_["baseline_anon"] for s in long_.get("steps", [])],
     }
-
-    def ratio(key: str, other: str) -> float:
-        return round(arms["streamed_disk"][key] / arms[other][key], 4)
-
+    headline = sections[first].get("disk_over_resident_checkpointed", {}).get("anonymous")
     return {
         "batch": batch,
         "seq": seq,
         "steps": steps,
-        "arms": arms,
-        "disk_over_resident_checkpointed": {
-            "anonymous": ratio("peak_anon_above_baseline", "resident_checkpointed"),
-            "resident_set": ratio("peak_rss_above_baseline", "resident_checkpointed"),
+        "method": MEMORY_METHOD,
+        "checkpoints": sections,
+        "streamed_disk_long_run": long_summary,
+        "headline": {
+            "what": f"peak anonymous memory above baseline, disk tier / resident with per-layer "
+            f"checkpointing, {first} checkpoint trained in float32",
+            "ratio": headline,
+            "vs_resident_without_checkpointing": sections[first]
+            .get("disk_over_resident", {})
+            .get("anonymous"),
+            "goal": "<= 0.35",
+            "meets_goal": headline is not None and headline <= 0.35,
         },
-        "disk_over_resident": {
-            "anonymous": ratio("peak_anon_above_baseline", "resident"),
-            "resident_set": ratio("peak_rss_above_baseline", "resident"),
-        },
-        "goal": "disk / resident <= 0.35",
-        "note": "the resident arms' frozen weights are not anonymous memory: transformers maps the float32 "
-        "safetensors file copy-on-write (rw-p) instead of copying it, so they are file-backed pages of the "
-        "process (file_backed_at_end); the resident set (anonymous + file-backed) compares what each "
-        "process holds in RAM",
     }
 
 
@@ -396,6 +525,49 @@ def larger_than_memory(work: Path, *, limit: int, batch: int, seq: int, steps: i
 # ----------------------------------------------------------------------------------------------- main
 
 
+#: part name (for --only / --skip) -> its key in the result
+PARTS = {"speed": "speed", "memory": "memory", "larger": "larger_than_memory"}
+#: top-level keys that describe one whole run of the script (machine, load, duration)
+RUN_KEYS = (
+    "note", "cpu", "machine", "load_average", "thp", "torch", "threads", "processor", "gpu", "seconds"
+)  # fmt: skip
+
+
+def select_parts(only: str, skip: str) -> list[str]:
+    """The parts to run, in order, from ``--only`` (empty: all) less ``--skip``; an unknown name is an error
+    (ValueError with the names that exist)."""
+    names = {"only": [x for x in only.split(",") if x], "skip": [x for x in skip.split(",") if x]}
+    for flag, given in names.items():
+        unknown = [x for x in given if x not in PARTS]
+        if unknown:
+            raise ValueError(f"--{flag}: unknown part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    return [p for p in PARTS if (not names["only"] or p in names["only"]) and p not in names["skip"]]
+
+
+def merge_record(old: dict[str, Any] | None, new: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    """The record to write after running ``parts``: ``new``'s sections for those parts replace the old ones,
+    every other recorded section stays as it was. When some old section stays, the top-level fields that
+    describe a run (machine, load, seconds) stay the old run's, and each new section carries its own
+    ``recorded`` block; ``top_level_run_describes`` names the sections the top-level run fields belong to."""
+    kept = [p for p in PARTS if p not in parts and old is not None and PARTS[p] in old]
+    if not kept:
+        return {k: v for k, v in new.items()}
+    assert old is not None
+    merged = {k: v for k, v in old.items()}
+    for key in ("benchmark", "device", "model", "preflight_constants"):
+        if key in new:
+            merged[key] = new[key]
+    for part in parts:
+        if PARTS[part] in new:
+            merged[PARTS[part]] = new[PARTS[part]]
+    merged["top_level_run_describes"] = [
+        PARTS[p] for p in PARTS if PARTS[p] in merged and "recorded" not in merged[PARTS[p]]
+    ]
+    # keep the key order readable: header, run fields, then the sections in PARTS order
+    order = [k for k in merged if k not in PARTS.values()] + [PARTS[p] for p in PARTS if PARTS[p] in merged]
+    return {k: merged[k] for k in order}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -406,11 +578,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--limit-gib", type=float, default=3.0, help="RLIMIT_DATA for the larger-than-memory run"
     )
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: speed, memory, larger")
+    parser.add_argument(
+        "--only", default="", help="comma-separated parts to run (default all): " + ", ".join(PARTS)
+    )
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: " + ", ".join(PARTS))
+    parser.add_argument("--memory-steps", type=int, default=3, help="training steps of each memory arm")
+    parser.add_argument("--long-steps", type=int, default=12, help="steps of the longer disk-tier memory run")
     parser.add_argument("--work", type=Path, default=Path("/tmp/soup-bench-streaming"))
-    parser.add_argument("--record", action="store_true", help=f"write the result under {RESULTS}")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"write the result under {RESULTS}, merged into the recorded one (parts not run are kept)",
+    )
     args = parser.parse_args(argv)
-    skip = set(filter(None, args.skip.split(",")))
+    try:
+        parts = select_parts(args.only, args.skip)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.device == "cuda":
+        parts = [p for p in parts if p == "speed"]  # (b) and the capped run measure host memory
     import torch
 
     torch.set_num_threads(1)
@@ -428,34 +614,59 @@ def main(argv: list[str] | None = None) -> int:
         **machine(),
     }
     started = time.time()
-    if "speed" not in skip:
-        print("(a) speed ...", flush=True)
-        result["speed"] = speed(
-            model_dir,
-            args.work,
-            device=args.device,
-            rounds=args.rounds,
-            steps=args.steps,
-            batch=args.batch,
-            seq=args.seq,
-        )
-        print(json.dumps(result["speed"], indent=1), flush=True)
-    if args.device == "cpu" and "memory" not in skip:
-        print("(b, c) memory ...", flush=True)
-        result["memory"] = memory(model_dir, args.work, batch=args.batch, seq=args.seq, steps=3)
-    if args.device == "cpu" and "larger" not in skip:
-        print("(b) larger than the memory allowed ...", flush=True)
-        result["larger_than_memory"] = larger_than_memory(
-            args.work, limit=int(args.limit_gib * 2**30), batch=1, seq=64, steps=2
-        )
-        print(json.dumps(result["larger_than_memory"], indent=1), flush=True)
+
+    def recorded(part: str, part_started: float, load_start: list[float]) -> dict[str, Any]:
+        return {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **{k: result[k] for k in RUN_KEYS if k in result and k not in ("seconds", "load_average")},
+            **({"note": MEMORY_LOAD_NOTE} if part != "speed" and args.device == "cpu" else {}),
+            "load_average_start": load_start,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+            "seconds": round(time.time() - part_started),
+        }
+
+    for part in parts:
+        part_started, load_start = time.time(), [round(x, 2) for x in os.getloadavg()]
+        if part == "speed":
+            print("(a) speed ...", flush=True)
+            result["speed"] = speed(
+                model_dir,
+                args.work,
+                device=args.device,
+                rounds=args.rounds,
+                steps=args.steps,
+                batch=args.batch,
+                seq=args.seq,
+            )
+            print(json.dumps(result["speed"], indent=1), flush=True)
+        elif part == "memory":
+            print("(b, c) memory ...", flush=True)
+            # bfloat16 first: hub checkpoints ship in it, and it is the headline (see memory())
+            dirs = {dtype: checkpoint_copy(model_dir, dtype) for dtype in ("bfloat16", "float32")}
+            result["memory"] = memory(
+                dirs,
+                args.work,
+                batch=args.batch,
+                seq=args.seq,
+                steps=args.memory_steps,
+                long_steps=args.long_steps,
+            )
+            print(json.dumps(result["memory"]["headline"], indent=1), flush=True)
+        elif part == "larger":
+            print("(b) larger than the memory allowed ...", flush=True)
+            result["larger_than_memory"] = larger_than_memory(
+                args.work, limit=int(args.limit_gib * 2**30), batch=1, seq=64, steps=2
+            )
+            print(json.dumps(result["larger_than_memory"], indent=1), flush=True)
+        result[PARTS[part]]["recorded"] = recorded(part, part_started, load_start)
     result["seconds"] = round(time.time() - started)
     result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.record:
         path = RESULTS / ("streaming.json" if args.device == "cpu" else "streaming_cuda.json")
         path.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(merge_record(old, result, parts), indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         print(f"recorded {path}")
     return 0
