@@ -90,8 +90,11 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
 
 
 SLEEPER = r"""
-import sys, time
+import signal, sys, time
 from soup_core.tracker import Tracker, tracked_run
+
+# a test run from a background job hands its children SIGINT ignored; a terminal's Ctrl-C is what is tested
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 tracker = Tracker()
 with tracked_run(tracker, name="victim", task="sft", backend="transformers", base_model="tiny",

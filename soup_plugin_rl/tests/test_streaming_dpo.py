@@ -138,8 +138,11 @@ def test_control_one_float_step_in_one_base_weight_matrix_is_seen(shared_run, ti
     assert torch.equal(streamed.calls[0]["loss"], resident.calls[0]["loss"])
     # ... which is why every forward, log and weight is compared as well, and these see the nudge
     found = differences(streamed, resident)
-    assert "step 1 policy log-probs" in found and "step 1 reference log-probs" in found, found
-    assert "saved adapter" in found and any(" loss (" in f for f in found), found
+    # every forward of every step sees it (whether it also reaches the loss and the adapter depends on the
+    # optimizer: Adam's first steps move each weight by ±lr whatever the gradient's last bits)
+    for step in (1, 2, 3):
+        for kind in ("policy", "reference"):
+            assert f"step {step} {kind} log-probs" in found, found
 
 
 def test_a_pre_trained_adapter_on_a_streamed_model_is_refused(tiny_dir, tmp_path, torch_one_thread):

@@ -137,8 +137,8 @@ def build_training_args(config: Any, output_dir: Path, *, has_eval: bool, run_na
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu=not on_gpu and not torch.backends.mps.is_available(),
+        # optim: transformers' default (fused AdamW where torch has it, CPU included), as a plain script gets
         **checkpointing,
-        optim="adamw_torch_fused" if on_gpu else "adamw_torch",
         logging_strategy="steps",
         logging_steps=int(t.logging_steps),
         report_to=_report_to(t.report_to),
