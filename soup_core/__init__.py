@@ -80,6 +80,7 @@ _LAZY = {
     "probes": "soup_core.probes",
     # ui
     "console": "soup_core.ui",
+    "ProgressLine": "soup_core.progress",
     "atomic_write": "soup_core.io",
 }
 

@@ -24,14 +24,23 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from soup_core import MicroBatch, OptimizerStep, Rollback, RunEnd, RunStart, SetCoefficient, Stop, encode_rows
+from soup_core import (
+    MicroBatch,
+    OptimizerStep,
+    ProgressLine,
+    Rollback,
+    RunEnd,
+    RunStart,
+    SetCoefficient,
+    Stop,
+    encode_rows,
+)
 from soup_core import micro_batches as core_micro_batches
 from soup_plugin_mlx import adapters
 from soup_plugin_mlx.backend import MLXBackend, MLXBackendError
 from soup_plugin_mlx.model import make_trainable
 from soup_plugin_mlx.optim import AdamW, clip_by_global_norm
 from soup_plugin_mlx.probes import describe_device
-from soup_plugin_mlx.progress import Progress
 from soup_plugin_mlx.schedule import learning_rate, plan_steps
 from soup_plugin_mlx.steps import dropout_seed, pad_batch, row_loss_sums, step_loss, supervised_tokens
 
@@ -201,20 +210,13 @@ class MLXRun:
                 packing=False,
             )
         )
-        self.progress = (
-            Progress(
-                total=self.plan.total_steps,
-                first_step=self.global_step,
-                logging_steps=int(t.logging_steps),
-                report=self.say,
-            )
-            if ctx.rank == 0
-            else None
-        )
+        self.progress = None
+        if ctx.rank == 0:
+            self.progress = ProgressLine(logging_steps=int(t.logging_steps), report=self.say)
         status, error = "failed", None
         try:
             if self.progress is not None:
-                self.progress.start()
+                self.progress.start(self.plan.total_steps, self.global_step)
             mx.reset_peak_memory()
             self._train()
             self.peak_memory = int(mx.get_peak_memory())

@@ -1,0 +1,94 @@
+"""The training progress display every backend shows: a live rich bar on a terminal, else one plain line
+every ``logging_steps`` steps and at the last step::
+
+    step 3/10  loss 6.9012  lr 2.00e-04  1,234 tok/s  eta 0:00:05
+
+Import-light (no torch, no transformers): the transformers backend wraps it in a ``TrainerCallback``, other
+backends call it from their own loop.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def format_eta(seconds: float) -> str:
+    """``H:MM:SS`` for a non-negative duration (negative counts as zero)."""
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class ProgressLine:
+    """Step, loss, learning rate, tokens/s and ETA, shown on rank 0.
+
+    ``lines`` keeps the plain lines printed (for tests and summaries). On a TTY nothing is printed line by
+    line: a rich progress bar is redrawn in place instead.
+    """
+
+    def __init__(
+        self,
+        *,
+        logging_steps: int,
+        report: Callable[[str], None],
+        tty: bool | None = None,
+        console: Any = None,
+    ) -> None:
+        self.logging_steps = max(1, int(logging_steps or 1))
+        self.report = report
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.console = console
+        self.total = 0
+        self.first_step = 0
+        self.lines: list[str] = []
+        self._bar: Any = None
+        self._task: Any = None
+
+    def start(self, total: int, first_step: int = 0) -> None:
+        """Training of ``total`` optimizer steps begins at ``first_step`` (above 0 when resumed)."""
+        self.total, self.first_step = total, first_step
+        if not self.tty:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from soup_core.ui import console as soup_console
+
+        self._bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(),
+            console=self.console or soup_console,
+            transient=False,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task("train", total=total, completed=first_step, stats="")
+
+    def update(self, step: int, metrics: dict[str, float], tokens: int, seconds: float) -> None:
+        """Optimizer step ``step`` is done: ``tokens`` input tokens trained on in ``seconds`` since start."""
+        elapsed = max(seconds, 1e-9)
+        done = step - self.first_step
+        eta = (self.total - step) * elapsed / done if done > 0 else 0.0
+        parts = [f"step {step}/{self.total}"]
+        if "loss" in metrics:
+            parts.append(f"loss {metrics['loss']:.4f}")
+        if "learning_rate" in metrics:
+            parts.append(f"lr {metrics['learning_rate']:.2e}")
+        parts.append(f"{tokens / elapsed:,.0f} tok/s")
+        parts.append(f"eta {format_eta(eta)}")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, stats="  ".join(parts[1:-1]))
+            return
+        if step % self.logging_steps == 0 or step >= self.total:
+            line = "  ".join(parts)
+            self.lines.append(line)
+            self.report(line)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,30 @@
+"""The progress line every backend prints: its format, its pace, and the ETA arithmetic."""
+
+from __future__ import annotations
+
+from soup_core.progress import ProgressLine, format_eta
+
+
+def test_plain_lines_every_logging_step_and_at_the_last() -> None:
+    printed: list[str] = []
+    line = ProgressLine(logging_steps=2, report=printed.append, tty=False)
+    line.start(5, first_step=0)
+    for step in range(1, 6):
+        line.update(step, {"loss": 1.23456, "learning_rate": 2e-4}, tokens=1000 * step, seconds=float(step))
+    line.close()
+    assert [p.split("  ")[0] for p in printed] == ["step 2/5", "step 4/5", "step 5/5"]
+    assert printed[0] == "step 2/5  loss 1.2346  lr 2.00e-04  1,000 tok/s  eta 0:00:03"
+    assert line.lines == printed
+
+
+def test_eta_counts_only_the_steps_of_this_run_when_resumed() -> None:
+    printed: list[str] = []
+    line = ProgressLine(logging_steps=1, report=printed.append, tty=False)
+    line.start(100, first_step=90)
+    line.update(95, {}, tokens=500, seconds=10.0)  # 5 steps in 10 s, 5 to go
+    assert printed == ["step 95/100  50 tok/s  eta 0:00:10"]
+
+
+def test_format_eta() -> None:
+    assert format_eta(3725.9) == "1:02:05"
+    assert format_eta(-4) == "0:00:00"
