@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from soup_core.contracts import LoadedModel, Task
+from soup_core.events import RunStart
 from soup_core.run_events import RunEvents
 
 
@@ -26,3 +27,24 @@ class RunContext:
     resume_from: str | None = None  # a checkpoint directory, already resolved
     report: Callable[[str], None] = print  # one-line messages to the user
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def start_event(
+        self, *, backend: str, batch_size: int, grad_accum: int, packing: bool, resumed_from_step: int | None
+    ) -> RunStart:
+        """The run-start event for this run; the backend supplies what only it knows."""
+        training = self.training
+        return RunStart(
+            run_id=self.run_id,
+            output_dir=str(self.output_dir),
+            config=self.config,
+            fingerprint=getattr(training, "fingerprint", ""),
+            n_rows=int(getattr(training, "n_rows", len(training.rows))),
+            rank=self.rank,
+            world_size=self.world_size,
+            resumed_from_step=resumed_from_step,
+            backend=backend,
+            task=self.task.name,
+            batch_size=int(batch_size),
+            grad_accum=int(grad_accum),
+            packing=bool(packing),
+        )

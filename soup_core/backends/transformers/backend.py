@@ -13,7 +13,7 @@ from typing import Any
 
 from soup_core.backends.transformers.loading import BackendError, quiet_progress
 from soup_core.contracts import Backend
-from soup_core.events import RunEnd, RunStart
+from soup_core.events import RunEnd
 
 #: Every config path this backend honours for the sft task (its support-table row).
 HONOURED_FIELDS: frozenset[str] = frozenset(
@@ -189,20 +189,12 @@ class PreparedRun:
         resumed = self.resumed_from_step
         args = trainer.args
         ctx.events.run_start(
-            RunStart(
-                run_id=ctx.run_id,
-                output_dir=str(ctx.output_dir),
-                config=ctx.config,
-                fingerprint=getattr(ctx.training, "fingerprint", ""),
-                n_rows=int(getattr(ctx.training, "n_rows", len(ctx.training.rows))),
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                resumed_from_step=resumed,
+            ctx.start_event(
                 backend=TransformersBackend.name,
-                task=ctx.task.name,
                 batch_size=args.per_device_train_batch_size,
                 grad_accum=args.gradient_accumulation_steps,
                 packing=self.setup.packing,
+                resumed_from_step=resumed,
             )
         )
         status, error = "failed", None

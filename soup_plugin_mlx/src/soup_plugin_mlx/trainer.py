@@ -30,7 +30,6 @@ from soup_core import (
     ProgressLine,
     Rollback,
     RunEnd,
-    RunStart,
     SetCoefficient,
     Stop,
     encode_rows,
@@ -194,20 +193,12 @@ class MLXRun:
         self.setup()
         ctx, t = self.ctx, self.config.training
         ctx.events.run_start(
-            RunStart(
-                run_id=ctx.run_id,
-                output_dir=str(ctx.output_dir),
-                config=ctx.config,
-                fingerprint=getattr(ctx.training, "fingerprint", ""),
-                n_rows=int(getattr(ctx.training, "n_rows", len(ctx.training.rows))),
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                resumed_from_step=self.resumed_from_step,
+            ctx.start_event(
                 backend=MLXBackend.name,
-                task=ctx.task.name,
                 batch_size=int(t.batch_size),
                 grad_accum=int(t.gradient_accumulation_steps),
                 packing=False,
+                resumed_from_step=self.resumed_from_step,
             )
         )
         self.progress = None
