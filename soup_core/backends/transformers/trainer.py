@@ -19,6 +19,7 @@ without supervised tokens, which would break the row index. The task tokenises i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,10 +243,28 @@ class SoupTrainerMixin:
                 self._soup_emit_micro_batch(step, output, rows, slots, inputs.get("labels"))
         return result
 
-    def _soup_emit_micro_batch(self, step: int, output: Any, rows: torch.Tensor, slots: Any, labels: Any) -> None:
-        sums, counts = row_sums(output, len(rows), labels=labels, token_slot=slots)
+    def soup_row_losses(
+        self, output: Any, n_rows: int, labels: Any, token_slot: Any
+    ) -> tuple[Sequence[float], Sequence[int]]:
+        """Each row's mean loss and its number of supervised tokens, for this micro-batch's rows in order.
+
+        ``output`` is the model's forward output of the micro-batch the loss was computed from (captured,
+        not recomputed). The default reads its per-token negative log-likelihoods (:func:`row_sums`). A
+        task whose objective is not the token cross-entropy overrides this seam so that recorders see the
+        rows' share of the loss being trained.
+        """
+        sums, counts = row_sums(output, n_rows, labels=labels, token_slot=token_slot)
         sums_l, counts_l = sums.tolist(), [int(c) for c in counts.tolist()]
-        losses = tuple(s / c if c else float("nan") for s, c in zip(sums_l, counts_l, strict=True))
+        return tuple(s / c if c else float("nan") for s, c in zip(sums_l, counts_l, strict=True)), counts_l
+
+    def _soup_emit_micro_batch(self, step: int, output: Any, rows: torch.Tensor, slots: Any, labels: Any) -> None:
+        with torch.no_grad():
+            losses, tokens = self.soup_row_losses(output, len(rows), labels, slots)
+        losses, tokens = tuple(float(v) for v in losses), tuple(int(t) for t in tokens)
+        if len(losses) != len(rows) or len(tokens) != len(rows):
+            raise RuntimeError(
+                f"per-row statistics: {len(losses)} losses and {len(tokens)} counts for {len(rows)} rows"
+            )
         ctx = self._soup.ctx
         ctx.events.micro_batch(
             MicroBatch(
@@ -253,7 +272,7 @@ class SoupTrainerMixin:
                 micro=self._soup_micro,
                 rows=tuple(int(r) for r in rows.tolist()),
                 row_loss=losses,
-                row_tokens=tuple(counts_l),
+                row_tokens=tokens,
                 rank=ctx.rank,
             )
         )

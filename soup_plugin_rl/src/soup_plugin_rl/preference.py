@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from soup_core import MicroBatch, SoupTrainerMixin
+from soup_core import SoupTrainerMixin
 from soup_plugin_rl.capabilities import TASK_NEEDS, CapabilityError, check_needs, find_pair, loss_type_value
 from soup_plugin_rl.common import (
     LiveBeta,
@@ -100,8 +100,8 @@ class PreferenceRows(LiveBeta):
     """Per-pair losses from the step's own forward outputs, for the flight recorder.
 
     A forward hook keeps every forward output of a training micro-batch (the policy's, with gradient, and
-    the reference's); the core's mixin then asks :meth:`_soup_emit_micro_batch` for the micro-batch event,
-    and the pair losses are computed there with the closed form of the task's loss.
+    the reference's); the core's mixin then asks :meth:`soup_row_losses` (its public seam) for the rows'
+    losses, computed there with the closed form of the task's loss.
     """
 
     soup_task: str = ""
@@ -132,22 +132,10 @@ class PreferenceRows(LiveBeta):
         finally:
             self._rl_capturing, self._rl_outputs, self._rl_inputs = False, [], None
 
-    def _soup_emit_micro_batch(self, step, output, rows, slots, labels) -> None:
-        with torch.no_grad():
-            losses, tokens = self.rl_row_losses(self._rl_inputs, self._rl_outputs)
-        if len(losses) != len(rows):
-            raise RuntimeError(f"per-row losses: {len(losses)} losses for {len(rows)} rows")
-        ctx = self._rl_setup.ctx
-        ctx.events.micro_batch(
-            MicroBatch(
-                step=step,
-                micro=self._soup_micro,
-                rows=tuple(int(r) for r in rows.tolist()),
-                row_loss=tuple(float(v) for v in losses.tolist()),
-                row_tokens=tuple(int(t) for t in tokens.tolist()),
-                rank=ctx.rank,
-            )
-        )
+    def soup_row_losses(self, output, n_rows, labels, token_slot):
+        # the loss is not the token cross-entropy: each pair's own loss, from the forwards of this step
+        losses, tokens = self.rl_row_losses(self._rl_inputs, self._rl_outputs)
+        return losses.tolist(), tokens.tolist()
 
     def rl_row_losses(
         self, inputs: Mapping[str, Any] | None, outputs: Sequence[Any]

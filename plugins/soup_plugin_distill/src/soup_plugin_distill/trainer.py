@@ -12,11 +12,11 @@ Seams of the mixin used here:
 - ``compute_loss``: the mixin's pops the row indices, captures the student's forward output and calls
   ``super().compute_loss`` — which lands in :class:`DistillLossTrainer` (it comes after the mixin in the
   bases), so the capture and the loss are the same forward pass.
-- ``_soup_emit_micro_batch``: handed the combined objective's per-token values in the form the core's
-  ``row_sums`` reads (``log_probs`` / ``label_mask``), so the per-row losses in the micro-batch events
-  (and the rewind log) are those of the objective being trained, not the cross-entropy alone.
-- ``_soup_after_step``: adds the step's ``distill_loss``, ``ce_loss`` and ``teacher_agreement`` to the
-  tracker.
+- ``soup_row_losses``: hands the core's ``row_sums`` the combined objective's per-token values
+  (``log_probs`` / ``label_mask``), so the per-row losses in the micro-batch events (and the rewind log)
+  are those of the objective being trained, not the cross-entropy alone.
+- ``soup_step_metrics``: adds the step's ``distill_loss``, ``ce_loss`` and ``teacher_agreement`` to the
+  optimizer-step event (so the tracker, recorders and controllers see them).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
             )
         return trainer
 
-    def _soup_emit_micro_batch(self, step: int, output: Any, rows: Any, slots: Any, labels: Any) -> None:
+    def soup_row_losses(self, output: Any, n_rows: int, labels: Any, token_slot: Any) -> tuple[Any, Any]:
         # The captured output is the student's (its logits give the cross-entropy only); the per-row numbers
         # must be those of the combined objective, from the same forward: hand the core's row_sums the
         # per-token objective as negative log-probabilities with their mask.
@@ -202,17 +202,14 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
             raise RuntimeError("per-row statistics: the distillation loss of this micro-batch was not kept")
         per_token, mask = kept
         combined = SimpleNamespace(log_probs=-per_token, label_mask=mask)
-        super()._soup_emit_micro_batch(step, combined, rows, slots, labels)
+        return super().soup_row_losses(combined, n_rows, labels, token_slot)
 
-    def _soup_after_step(self, step: int, grad_norm: Any, learning_rate: Any) -> None:
+    def soup_step_metrics(self) -> dict[str, float]:
         sums, self._distill_step = self._distill_step, None
-        super()._soup_after_step(step, grad_norm, learning_rate)
+        metrics = dict(super().soup_step_metrics())
         if sums is None:
-            return
+            return metrics
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums.to(self.args.device), reduction="sum")
-        values = self._distill_log("train", sums)
-        if values:
-            self.soup_last_metrics.update(values)
-            if self._soup.ctx.rank == 0:
-                self._soup.ctx.log_metrics(step, values)
+        metrics.update(self._distill_log("train", sums) or {})
+        return metrics
