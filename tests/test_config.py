@@ -375,3 +375,12 @@ def test_config_error_survives_pickling() -> None:
     error = errors_of("bse: tiny\n")
     copy = pickle.loads(pickle.dumps(error))
     assert copy.issues == error.issues and copy.source == "soup.yaml" and str(copy) == str(error)
+
+
+def test_warmup_with_a_schedule_that_has_none_is_refused() -> None:
+    snippet = "training:\n  scheduler: constant\n  warmup_ratio: 0.1\n"
+    issue = issue_at(errors_of(GOOD + snippet), "training.warmup_ratio")
+    assert "would be ignored" in issue.message and "constant_with_warmup" in issue.message
+    # controls: the same warmup with a schedule that warms up, and constant without warmup, are fine
+    load_config_text(GOOD + "training:\n  scheduler: constant_with_warmup\n  warmup_ratio: 0.1\n", plugins=SCHEMA)
+    load_config_text(GOOD + "training:\n  scheduler: constant\n", plugins=SCHEMA)

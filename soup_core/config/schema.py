@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, create_model, field_validator
 
 from soup_core.contracts import REQUIRED, ConfigField
 
@@ -70,7 +70,9 @@ class TrainingConfig(_Section):
     scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
         "linear", description="Learning-rate schedule."
     )
-    warmup_ratio: float = Field(0.0, ge=0, le=0.5, description="Fraction of steps spent warming up.")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=0.5, description="Fraction of steps spent warming up (not with scheduler constant)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 disables clipping).")
     seed: int = Field(42, description="Seed for weight initialisation and dropout.")
@@ -88,6 +90,16 @@ class TrainingConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list, description="Extra trackers to report metrics to."
     )
+
+    @field_validator("warmup_ratio")
+    @classmethod
+    def _warmup_needs_a_schedule_that_warms_up(cls, value: float, info: ValidationInfo) -> float:
+        if value and info.data.get("scheduler") == "constant":
+            raise ValueError(
+                f"scheduler constant has no warmup, so warmup_ratio {value} would be ignored; use "
+                "scheduler: constant_with_warmup, or warmup_ratio: 0"
+            )
+        return value
 
 
 class SoupConfig(_Section):
