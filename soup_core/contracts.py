@@ -133,6 +133,9 @@ class Backend:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    #: False for a backend that trains in one process: ``soup train --nproc N`` is then refused before
+    #: any process is launched.
+    multi_process: ClassVar[bool] = True
 
     def train(self, context: Any) -> Any:  # pragma: no cover - interface
         raise NotImplementedError

@@ -91,6 +91,13 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         config = load_config(config_path, plugins=plugins, overrides=overrides)
     except ConfigError as exc:
         return fail(exc.render())
+    backend_cls = plugins.backends.get(config.backend)
+    if nproc > 1 and backend_cls is not None and not getattr(backend_cls, "multi_process", True):
+        owner = plugins.backends.owner(config.backend)
+        return fail(
+            f"--nproc {nproc}: backend {config.backend!r} (plugin {owner!r}) trains in one process; "
+            "run soup train without --nproc"
+        )
     if nproc > 1 and not dry_run:
         from soup_core.distributed import launch
 

@@ -31,6 +31,24 @@ def _soup(args: list[str]) -> int:
     return exit_info.value.code or 0
 
 
+def test_nproc_is_refused_before_any_process_is_launched(
+    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys
+) -> None:
+    _installed()
+    monkeypatch.chdir(tmp_path)
+    write_data(8)
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {tiny_model}\nbackend: mlx\noutput: ./output\ndata:\n  train: data.jsonl\n", encoding="utf-8"
+    )
+    import soup_core.distributed
+
+    launched: list[int] = []
+    monkeypatch.setattr(soup_core.distributed, "launch", lambda *a, **k: launched.append(1) or 0)
+    assert _soup(["train", "--nproc", "2"]) == 1
+    assert "backend 'mlx' (plugin 'mlx') trains in one process" in capsys.readouterr().err
+    assert launched == [] and not (tmp_path / "output").exists()
+
+
 def test_soup_train_on_mlx_records_everything(
     tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys
 ) -> None:

@@ -17,6 +17,7 @@ class MLXBackend(Backend):
 
     name = "mlx"
     description = "Apple MLX + mlx-lm (LoRA or full fine-tuning; Metal on Apple silicon, else CPU)"
+    multi_process = False  # soup train --nproc N is refused before anything is launched
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run; returns its summary (status, steps, losses, tokens/s, ...)."""
