@@ -78,6 +78,8 @@ class Support(NamedTuple):
     task: str
     fields: frozenset[str]
     capability: str = ""
+    #: why the pair leaves a field out (path -> reason), shown when a config sets that field
+    reasons: Mapping[str, str] | None = None
 
 
 # ------------------------------------------------------------------------------------------ data formats

@@ -264,3 +264,20 @@ def test_a_type_name_that_cannot_be_imported_names_the_plugin() -> None:
     schema = make_schema([ConfigField("training.buffers", "no_such_module_here:Type", 2, "Buffers.")])
     with pytest.raises(ValueError, match="plugin 'testplug' gives config field 'training.buffers' the type"):
         _ = schema.model
+
+
+def test_a_pair_may_say_why_it_leaves_a_field_out() -> None:
+    reasons = {("other", "sft"): {"training.quantization": "this engine has no quantised kernels"}}
+    schema = ConfigSchema(
+        support={("transformers", "sft"): CORE, ("other", "sft"): NO_QUANT},
+        backends={"transformers": TransformersBackend, "other": OtherBackend},
+        tasks={"sft": SftTask},
+        support_reasons=reasons,
+    )
+    text = "base: m\nbackend: other\ndata: {train: t.jsonl}\ntraining: {quantization: 4bit}\n"
+    with pytest.raises(ConfigError) as error:
+        load_config_text(text, plugins=schema)
+    (issue,) = error.value.issues
+    assert issue.message.startswith(
+        "not honoured by backend 'other' with task 'sft': this engine has no quantised kernels (remove it"
+    ), issue.message

@@ -182,6 +182,7 @@ class ConfigSchema:
         support: Mapping[tuple[str, str], frozenset[str]] | None = None,
         backends: Mapping[str, type] | None = None,
         tasks: Mapping[str, type] | None = None,
+        support_reasons: Mapping[tuple[str, str], Mapping[str, str]] | None = None,
     ) -> None:
         self.fields: dict[str, ConfigField] = dict(fields or {})
         self.field_owners: dict[str, str] = dict(field_owners or {})
@@ -190,6 +191,9 @@ class ConfigSchema:
         }
         self.backends: dict[str, type] = dict(backends or {})
         self.tasks: dict[str, type] = dict(tasks or {})
+        self.support_reasons: dict[tuple[str, str], dict[str, str]] = {
+            pair: dict(reasons) for pair, reasons in (support_reasons or {}).items()
+        }
         self._check_paths()
         self._model: type[SoupConfig] | None = None
         self._index: dict[str, tuple[Any, type[BaseModel] | None]] | None = None
@@ -200,7 +204,8 @@ class ConfigSchema:
         and ``tasks``."""
         fields = plugins.config_fields
         owners = {path: plugins.config_fields.owner(path) for path in fields}
-        return cls(fields, owners, plugins.support, plugins.backends, plugins.tasks)
+        reasons = getattr(plugins, "support_reasons", None)
+        return cls(fields, owners, plugins.support, plugins.backends, plugins.tasks, reasons)
 
     def owner(self, path: str) -> str:
         return self.field_owners.get(path, "<unknown plugin>")

@@ -430,7 +430,9 @@ def _registry_issues(
         if any(".".join(parts[:i]) in honoured for i in range(1, len(parts) + 1)):
             continue
         shown = "" if default is REQUIRED else f" (remove it, or leave it at its default {_show(default)})"
-        message = f"not honoured by backend '{backend}' with task '{task}'{shown}"
+        reason = schema.support_reasons.get((backend, task), {}).get(path)
+        why = f": {reason}" if reason else ""
+        message = f"not honoured by backend '{backend}' with task '{task}'{why}{shown}"
         issues.append(_at(ConfigIssue(path, message), positions))
     return issues
 

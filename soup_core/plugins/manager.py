@@ -115,6 +115,8 @@ class PluginSet:
         self.config_fields: Registry[ConfigField] = Registry("config field")
         self._pair_support: dict[tuple[str, str], frozenset[str]] = {}
         self._capability_support: list[Support] = []
+        #: (backend, task) -> field path -> why that pair leaves the field out
+        self.support_reasons: dict[tuple[str, str], dict[str, str]] = {}
         #: probes that failed for one scope ("task:ppo", "backend:mlx") -> (plugin, result)
         self.unavailable_scopes: dict[str, tuple[str, ProbeResult]] = {}
         self.failures: list[str] = []
@@ -325,6 +327,8 @@ class PluginSet:
                 continue
             key = (row.backend, row.task)
             self._pair_support[key] = self._pair_support.get(key, frozenset()) | frozenset(row.fields)
+            if row.reasons:
+                self.support_reasons.setdefault(key, {}).update(row.reasons)
         info.probes = list(staged["soup_register_probes"])
 
     def _cheap_probes(self, info: PluginInfo) -> None:

@@ -103,7 +103,8 @@ def test_fields_mlx_cannot_honour_are_refused_at_config_time(
     with pytest.raises(ConfigError) as error:
         _config(tmp_path, text)
     message = error.value.render()
-    assert f"{path}: not honoured by backend 'mlx' with task 'sft'" in message, message
+    expected = f"{path}: not honoured by backend 'mlx' with task 'sft': {REFUSED_REASONS[path]}"
+    assert expected in message, message
     assert "remove it, or leave it at its default" in message
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from soup_core import Command, LoadedModel, Probe, Support, hookimpl
 from soup_plugin_mlx.backend import MLXBackend
 from soup_plugin_mlx.probes import device_computes, installed
-from soup_plugin_mlx.support import HONOURED_FIELDS
+from soup_plugin_mlx.support import HONOURED_FIELDS, REFUSED_REASONS
 
 #: Hook-API versions this plugin supports (min, max).
 SOUP_HOOK_API = (1, 1)
@@ -26,7 +26,7 @@ def soup_register_backends() -> list[type]:
 def soup_register_support() -> list[Support]:
     # Only sft: dpo, grpo and every other task have no row, so `backend: mlx` with them is refused at
     # config time (the core says which tasks mlx supports) instead of failing after the model loads.
-    return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS)]
+    return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS, reasons=REFUSED_REASONS)]
 
 
 @hookimpl
