@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from soup_core import HONOURED_FIELDS as SFT_HONOURED  # the (transformers, sft) row; light to import
 from soup_core.contracts import ConfigField
 
 TASK = "unlearn"
@@ -87,38 +88,7 @@ FIELDS: tuple[ConfigField, ...] = (
 
 #: The core fields the unlearn trainer honours (a subset of the sft row: no data.train, no packing, no
 #: training.eval_steps — evaluation is the forget/retain measurement, paced by unlearn_eval_steps).
-CORE_FIELDS: frozenset[str] = frozenset(
-    {
-        "data.format",
-        "data.val_split",
-        "data.seed",
-        "data.max_length",
-        "data.train_on_responses_only",
-        "data.on_bad_row",
-        "training.epochs",
-        "training.max_steps",
-        "training.learning_rate",
-        "training.batch_size",
-        "training.gradient_accumulation_steps",
-        "training.scheduler",
-        "training.warmup_ratio",
-        "training.weight_decay",
-        "training.max_grad_norm",
-        "training.seed",
-        "training.dtype",
-        "training.quantization",
-        "training.bnb_4bit_use_double_quant",
-        "training.gradient_checkpointing",
-        "training.lora.r",
-        "training.lora.alpha",
-        "training.lora.dropout",
-        "training.lora.target_modules",
-        "training.save_steps",
-        "training.logging_steps",
-        "training.resume_from",
-        "training.report_to",
-    }
-)
+CORE_FIELDS: frozenset[str] = frozenset(SFT_HONOURED) - {"data.train", "data.packing", "training.eval_steps"}
 
 HONOURED: frozenset[str] = CORE_FIELDS | {f.path for f in FIELDS}
 
