@@ -30,6 +30,18 @@ class ProgressDisplay(TrainerCallback):
     def lines(self) -> list[str]:
         return self.line.lines
 
+    @property
+    def logging_steps(self) -> int:
+        return self.line.logging_steps
+
+    @property
+    def tty(self) -> bool:
+        return self.line.tty
+
+    @tty.setter
+    def tty(self, value: bool) -> None:  # before training starts: a bar on a terminal, else plain lines
+        self.line.tty = value
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.start(int(state.max_steps or 0), int(state.global_step or 0))
 
