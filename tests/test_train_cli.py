@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import types
 from pathlib import Path
 
@@ -100,3 +101,18 @@ def test_a_real_run_is_tracked(tiny_model_dir: Path, tmp_path: Path, monkeypatch
     assert [step for step, _ in steps] == [1, 2] and all("loss" in m for _, m in steps)  # written once each
     assert Path(run.config["data"]["train"]).is_absolute()
     assert (tmp_path / "out" / "soup_config.yaml").exists()
+
+
+def test_nproc_checks_the_data_once_before_launching(tiny_model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    import soup_core.distributed
+
+    launched: list[int] = []
+    monkeypatch.setattr(soup_core.distributed, "launch", lambda *a, nproc, **k: launched.append(nproc) or 0)
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            {"messages": "not a list"}]
+    bad = write_config(tmp_path, tiny_model_dir, rows=rows)
+    assert run_train_command(bad, overrides={}, dry_run=False, nproc=2) == 1
+    assert "train.jsonl line 2" in capsys.readouterr().err and launched == []
+    good = write_config(tmp_path, tiny_model_dir)  # control: the same command with good rows launches
+    assert run_train_command(good, overrides={}, dry_run=False, nproc=2) == 0
+    assert launched == [2] and "WORLD_SIZE" not in os.environ

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +101,19 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
             f"--nproc {nproc}: backend {config.backend!r} (plugin {owner!r}) trains in one process; "
             "run soup train without --nproc"
         )
-    if nproc > 1 and not dry_run:
-        from soup_core.distributed import launch
-
-        return launch(config_path, overrides=overrides, nproc=nproc)
     try:
-        plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
+        # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
+        # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do
+        with _world_size(nproc if nproc > 1 and not dry_run else None):
+            plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
     except DataError as exc:
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))
     except RunRefused as exc:
         return fail(str(exc))
+    if nproc > 1 and not dry_run:
+        from soup_core.distributed import launch
+
+        return launch(config_path, overrides=overrides, nproc=nproc)
     from soup_core.run import dist_env
 
     rank, _ = dist_env()
@@ -135,8 +141,25 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         err_console.print("Interrupted; the run is recorded as interrupted.")
         return 130
     except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
-        if "--debug" in sys.argv or __import__("os").environ.get("SOUP_DEBUG") == "1":
+        if "--debug" in sys.argv or os.environ.get("SOUP_DEBUG") == "1":
             raise
         return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
     console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
     return 0
+
+
+@contextlib.contextmanager
+def _world_size(n: int | None) -> Iterator[None]:
+    """``WORLD_SIZE=n`` while the block runs (nothing when ``n`` is None)."""
+    if n is None:
+        yield
+        return
+    before = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(n)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = before

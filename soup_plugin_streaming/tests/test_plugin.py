@@ -124,6 +124,15 @@ def test_preflight_refuses_what_streaming_cannot_do_exactly(plugins, training, d
     assert report.fix
 
 
+def test_preflight_refuses_a_run_of_several_processes(plugins, monkeypatch):
+    config = _config(plugins, {"stream_layers": True})
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what soup train --nproc 2 sets while it checks the run
+    report = plugin.soup_preflight(config)
+    assert report is not None and "trains in one process, and this run has 2" in (report.refusal or "")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # control: one process is not refused for it
+    assert "one process" not in (plugin.soup_preflight(config).refusal or "")
+
+
 def test_preflight_refuses_a_task_without_the_streamable_capability(plugins):
     both = isolated_plugins(("streaming", plugin), ("unstreamable", _UnstreamablePlugin))
     mapping = {

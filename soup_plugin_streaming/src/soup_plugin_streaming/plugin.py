@@ -155,6 +155,14 @@ def refusals(config: Any) -> list[tuple[str, str]]:
                 )
             )
         return out
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        out.append(
+            (
+                f"layer streaming trains in one process, and this run has {world} (--nproc or a launcher)",
+                "run soup train without --nproc, or set training.stream_layers: false",
+            )
+        )
     if config.backend != "transformers":
         out.append(
             (
