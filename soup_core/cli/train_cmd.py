@@ -56,7 +56,11 @@ def train(
     seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
     resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder "
                                       "(overrides training.resume_from)."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Train on N processes (DDP through torchrun)."),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1,
+        help="Train on N processes (DDP through torchrun); the config, probes, pre-flight and data are "
+        "checked once before any process starts.",
+    ),
     allow_oom_attempt: bool = typer.Option(False, "--allow-oom-attempt", help="Train even when a memory "
                                            "pre-flight predicts the run will not fit (layer streaming)."),
 ) -> None:
