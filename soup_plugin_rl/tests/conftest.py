@@ -147,6 +147,7 @@ def _wrap_compute_loss(trainer: Any, calls: list[dict[str, Any]]) -> None:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         record: dict[str, Any] = {"inputs": dict(inputs), "outputs": [], "kwargs": []}
+        record["beta"] = trainer.__dict__.get("_soup_beta")  # the β this step's loss is computed with
 
         def keep(module, args, kwargs, output):
             record["outputs"].append(output)

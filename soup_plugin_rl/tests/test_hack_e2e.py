@@ -1,7 +1,9 @@
 """The reward-hack controller on live runs: the real transformers backend, the tiny model, real trl/peft,
 through ``soup train`` (the CLI's own function, so the real tracker path is used).
 
-Stand-in for grpo (until part 1's task is wired to the controller): a test-only task ``scripted_rl`` whose
+kl_control runs twice: on the real grpo trainer (its reward function, a user file, returns the scripted
+rewards), and, like pid_lagrangian, on a stand-in that can snapshot weights and optimizer state at every
+step: a test-only task ``scripted_rl`` whose
 trainer is trl's ``SFTTrainer`` with the core's ``SoupTrainerMixin``, listing ``beta`` in
 ``soup_coefficients`` as the grpo trainer does. Its detector signal is driven by a deterministic scripted
 reward sequence — per step, per-completion reward vectors — which it turns into step metrics with the same
@@ -238,7 +240,90 @@ def test_kl_control_steers_beta_on_the_live_trainer_along_the_laws_sequence(trai
     assert not (out / "reward_hack_postmortem.md").exists()
 
 
+SCRIPTED_REWARD = """
+SCRIPT = {script!r}
+calls = []
+
+
+def scripted(completions, **kwargs):
+    calls.append(len(completions))
+    return list(SCRIPT[len(calls)])
+"""
+
+
+def test_kl_control_steers_beta_of_a_live_grpo_run(rl_run, tmp_path):
+    """The same law on the real grpo trainer: its reward function (a user file) returns the scripted
+    rewards of each generation, the trainer publishes them, the controller sets β, and every later step's
+    loss is computed with the β the law predicts."""
+    script = {1: HEALTHY, 2: HEALTHY, 3: HACKED, 4: HACKED, 5: HACKED, 6: HACKED, 7: MIDDLING}
+    script.update({s: HEALTHY for s in range(8, 14)})
+    reward = tmp_path / "scripted_rewards.py"
+    reward.write_text(SCRIPTED_REWARD.format(script=script), encoding="utf-8")
+    result = rl_run(
+        "grpo",
+        training={
+            "max_steps": 13,
+            "batch_size": 2,
+            "num_generations": 4,  # 8 completions a step: one scripted vector
+            "max_completion_length": 4,
+            "beta": 0.1,
+            "reward_fn": f"{reward}:scripted",
+            "reward_hack_mitigation": "kl_control",
+            "reward_hack_dwell": 2,
+            "reward_hack_release_patience": 2,
+            "reward_hack_gain": 2.0,
+            "reward_hack_beta_floor": 0.025,
+            "reward_hack_beta_ceil": 0.4,
+        },
+    )
+    assert result.code == 0 and result.trainer.state.global_step == 13
+    after = [0.1, 0.1, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4, 0.2, 0.2, 0.1, 0.1, 0.05]  # as on the stand-in above
+    assert [call["beta"] for call in result.calls] == [0.1, *after[:-1]]  # β each live step trained with
+    assert result.trainer.beta == 0.05
+    log = log_of(result.output_dir)
+    assert [r["beta_after"] for r in log] == after
+    assert [r["verdict"] for r in log] == ["baseline", "ok"] + ["hack"] * 4 + ["warn"] + ["ok"] * 6
+
+
 # ------------------------------------------------------------------------------------------ pid_lagrangian
+
+
+def test_pid_lagrangian_rolls_a_live_grpo_run_back_then_stops_it(rl_run, tmp_path):
+    """The rollback and the stop on the real grpo trainer (exactness of the restored state: the stand-in
+    test below, which snapshots every step)."""
+    from soup_core import Tracker
+
+    script = {1: HEALTHY, 2: HEALTHY, 3: HEALTHY}
+    script.update({s: HACKED for s in range(4, 21)})
+    reward = tmp_path / "scripted_rewards.py"
+    reward.write_text(SCRIPTED_REWARD.format(script=script), encoding="utf-8")
+    result = rl_run(
+        "grpo",
+        training={
+            "max_steps": 20,
+            "save_steps": 2,
+            "batch_size": 2,
+            "num_generations": 4,
+            "max_completion_length": 4,
+            "beta": 0.1,
+            "reward_fn": f"{reward}:scripted",
+            "reward_hack_mitigation": "pid_lagrangian",
+            "reward_hack_rollback_patience": 2,
+            "reward_hack_max_recoveries": 2,
+        },
+    )
+    out = result.output_dir
+    trainer = result.trainer
+    assert result.code == 0 and trainer.state.global_step == 9 and trainer.soup_stop_reason
+    assert trainer.soup_rollbacks == [str(out / "checkpoint-2")] * 2
+    assert [(r["step"], r["action"]) for r in log_of(out) if r["action"] in ("rollback", "stop")] == [
+        (5, "rollback"),
+        (7, "rollback"),
+        (9, "stop"),
+    ]
+    (record,) = Tracker(tmp_path / "home" / "experiments.db").list_runs()  # rl_run's SOUP_HOME
+    assert record.status == "stopped" and "reward hacking persisted" in (record.error or "")
+    assert (out / "reward_hack_postmortem.md").exists()
 
 
 def test_pid_lagrangian_rolls_back_exactly_then_stops_with_a_postmortem(train, torch_equal):
