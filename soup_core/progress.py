@@ -10,6 +10,7 @@ backends call it from their own loop.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,13 +44,14 @@ class ProgressLine:
         self.console = console
         self.total = 0
         self.first_step = 0
+        self.started = 0.0
         self.lines: list[str] = []
         self._bar: Any = None
         self._task: Any = None
 
     def start(self, total: int, first_step: int = 0) -> None:
         """Training of ``total`` optimizer steps begins at ``first_step`` (above 0 when resumed)."""
-        self.total, self.first_step = total, first_step
+        self.total, self.first_step, self.started = total, first_step, time.monotonic()
         if not self.tty:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -68,9 +70,10 @@ class ProgressLine:
         self._bar.start()
         self._task = self._bar.add_task("train", total=total, completed=first_step, stats="")
 
-    def update(self, step: int, metrics: dict[str, float], tokens: int, seconds: float) -> None:
-        """Optimizer step ``step`` is done: ``tokens`` input tokens trained on in ``seconds`` since start."""
-        elapsed = max(seconds, 1e-9)
+    def update(self, step: int, metrics: dict[str, float], tokens: int, seconds: float | None = None) -> None:
+        """Optimizer step ``step`` is done: ``tokens`` input tokens trained on in ``seconds`` of training
+        (default: the wall time since :meth:`start`)."""
+        elapsed = max(time.monotonic() - self.started if seconds is None else seconds, 1e-9)
         done = step - self.first_step
         eta = (self.total - step) * elapsed / done if done > 0 else 0.0
         parts = [f"step {step}/{self.total}"]

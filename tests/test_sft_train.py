@@ -263,7 +263,7 @@ def test_progress_bar_on_a_tty_prints_no_lines():
     )
     display.start(3)
     for step in (1, 2, 3):
-        display.update(step, {"loss": 1.5, "learning_rate": 1e-4}, tokens_seen=100 * step)
+        display.update(step, {"loss": 1.5, "learning_rate": 1e-4}, 100 * step)
     display.close()
     assert lines == [] and "3/3" in buffer.getvalue() and "loss 1.5000" in buffer.getvalue()
 
