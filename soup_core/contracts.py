@@ -135,8 +135,8 @@ class Backend:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    #: False for a backend that trains in one process: ``soup train --nproc N`` is then refused before
-    #: any process is launched.
+    #: False for a backend that trains in one process: a run of several (``soup train --nproc N``, or a
+    #: launcher) is then refused before any data or model is loaded, and before ``--nproc`` launches.
     multi_process: ClassVar[bool] = True
 
     def train(self, context: Any) -> Any:  # pragma: no cover - interface

@@ -48,6 +48,13 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     soup_core.data.DataError."""
     from soup_core.data import build_training_list, summarize
 
+    _, world_size = dist_env()
+    backend_cls = plugins.backends.get(config.backend)
+    if world_size > 1 and backend_cls is not None and not getattr(backend_cls, "multi_process", True):
+        raise RunRefused(
+            f"backend {config.backend!r} (plugin {plugins.backends.owner(config.backend)!r}) trains in one "
+            f"process, and this run has {world_size} (--nproc or a launcher); run soup train without --nproc"
+        )
     problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
     if problems:
         raise RunRefused("\n".join(problems))

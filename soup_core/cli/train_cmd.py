@@ -98,13 +98,6 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         config = load_config(config_path, plugins=plugins, overrides=overrides)
     except ConfigError as exc:
         return fail(exc.render())
-    backend_cls = plugins.backends.get(config.backend)
-    if nproc > 1 and backend_cls is not None and not getattr(backend_cls, "multi_process", True):
-        owner = plugins.backends.owner(config.backend)
-        return fail(
-            f"--nproc {nproc}: backend {config.backend!r} (plugin {owner!r}) trains in one process; "
-            "run soup train without --nproc"
-        )
     try:
         # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
         # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do
