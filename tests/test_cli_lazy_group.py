@@ -76,3 +76,12 @@ def test_a_typo_still_gets_a_suggestion() -> None:
     result = CliRunner().invoke(build_app(), ["trian"], prog_name="soup")
     assert result.exit_code == 2
     assert "Did you mean 'train'?" in result.output
+
+
+def test_deleting_a_command_that_was_never_built() -> None:
+    group = typer.main.get_command(build_app())
+    commands = group.commands
+    del commands["init"]
+    assert "init" not in commands and "init" not in list(commands)
+    with pytest.raises(KeyError):
+        del commands["init"]

@@ -53,8 +53,10 @@ class LazyCommands(MutableMapping[str, Any]):
         self._built[name] = command
 
     def __delitem__(self, name: str) -> None:
+        if name not in self:
+            raise KeyError(name)
         self._records.pop(name, None)
-        del self._built[name]
+        self._built.pop(name, None)  # a command not built yet has only its record
 
     def __iter__(self) -> Iterator[str]:
         yield from self._records

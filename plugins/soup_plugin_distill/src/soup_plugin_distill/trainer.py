@@ -211,5 +211,5 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
             return metrics
         if self.accelerator.num_processes > 1:
             sums = self.accelerator.reduce(sums.to(self.args.device), reduction="sum")
-        metrics.update(self._distill_log("train", sums) or {})
+        metrics.update(self._distill_log("train", sums))
         return metrics
