@@ -68,6 +68,7 @@ _LAZY = {
     "resolve_dtype": "soup_core.backends.transformers.loading",
     "apply_lora": "soup_core.backends.transformers.loading",
     "load_model_and_tokenizer": "soup_core.backends.transformers.loading",
+    "SFTTask": "soup_core.tasks.sft",
     "encode_rows": "soup_core.tasks.sft",
     "encode_example": "soup_core.tasks.sft",
     "EncodingError": "soup_core.tasks.sft",

@@ -7,31 +7,18 @@ as for sft. Import-light: the trainer (torch, trl) is imported when a run builds
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from soup_core import Backend, Task
+from soup_core import Backend, SFTTask
 
 
-class DistillTask(Task):
-    """Knowledge distillation from a frozen teacher that shares the student's tokenizer."""
+class DistillTask(SFTTask):
+    """Knowledge distillation from a frozen teacher that shares the student's tokenizer. Its rows, formats
+    and encoding are sft's (``data.max_length``, ``data.train_on_responses_only``)."""
 
     name = "distill"
     description = "knowledge distillation from a teacher model (forward KL, reverse KL, Jensen-Shannon)"
-    data_keys = ("data.train",)
-    formats = ("chat", "alpaca", "prompt_completion", "text")
     capabilities = frozenset({"per_row_losses"})
-
-    def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
-        """Encode rows as sft does (``data.max_length``, ``data.train_on_responses_only``), row index kept."""
-        from soup_core import encode_rows
-
-        return encode_rows(
-            rows,
-            tokenizer,
-            max_length=int(config.data.max_length),
-            train_on_responses_only=bool(config.data.train_on_responses_only),
-        )
 
     def build(self, backend: Backend, context: Any) -> Any:
         """The trainer for ``backend`` (transformers only); ``context`` is its trainer set-up."""
