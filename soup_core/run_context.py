@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from soup_core.contracts import LoadedModel, Task
-from soup_core.events import RunStart
+from soup_core.events import RunEnd, RunStart
 from soup_core.run_events import RunEvents
+
+
+@dataclass
+class RunOutcome:
+    """How a run ended, as its run-end event says: the backend sets ``status`` when training returns."""
+
+    status: str = "failed"
+    error: str | None = None
 
 
 @dataclass
@@ -48,3 +57,24 @@ class RunContext:
             grad_accum=int(grad_accum),
             packing=bool(packing),
         )
+
+    @contextlib.contextmanager
+    def reporting(
+        self, start: RunStart, *, steps: Callable[[], int], on_exit: Callable[[], None] = lambda: None
+    ) -> Iterator[RunOutcome]:
+        """Emit ``start`` now, and the run-end event on every exit path of the block: the status the block
+        set (``failed`` unless it set one), ``interrupted`` on Ctrl-C, the error of an exception, and
+        ``steps()`` optimizer steps. ``on_exit`` runs just before (closing a progress bar, say)."""
+        self.events.run_start(start)
+        outcome = RunOutcome()
+        try:
+            yield outcome
+        except KeyboardInterrupt:
+            outcome.status = "interrupted"
+            raise
+        except BaseException as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            on_exit()
+            self.events.run_end(RunEnd(status=outcome.status, error=outcome.error, rank=self.rank, steps=steps()))

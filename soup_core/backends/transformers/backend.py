@@ -13,7 +13,6 @@ from typing import Any
 
 from soup_core.backends.transformers.loading import BackendError, quiet_progress
 from soup_core.contracts import Backend
-from soup_core.events import RunEnd
 
 #: Every config path this backend honours for the sft task (its support-table row).
 HONOURED_FIELDS: frozenset[str] = frozenset(
@@ -188,32 +187,23 @@ class PreparedRun:
         ctx, trainer = self.ctx, self.trainer
         resumed = self.resumed_from_step
         args = trainer.args
-        ctx.events.run_start(
-            ctx.start_event(
-                backend=TransformersBackend.name,
-                batch_size=args.per_device_train_batch_size,
-                grad_accum=args.gradient_accumulation_steps,
-                packing=self.setup.packing,
-                resumed_from_step=resumed,
-            )
+        start = ctx.start_event(
+            backend=TransformersBackend.name,
+            batch_size=args.per_device_train_batch_size,
+            grad_accum=args.gradient_accumulation_steps,
+            packing=self.setup.packing,
+            resumed_from_step=resumed,
         )
-        status, error = "failed", None
-        try:
+        progress = self.setup.progress
+        with ctx.reporting(
+            start, steps=lambda: trainer.state.global_step, on_exit=progress.close if progress else lambda: None
+        ) as outcome:
             # transformers' own save/load bars would interleave with the progress display
             with quiet_progress():
                 output = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
-                status = "stopped" if trainer.soup_stop_reason else "completed"
+                outcome.status = "stopped" if trainer.soup_stop_reason else "completed"
                 trainer.save_model(str(ctx.output_dir))
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            if self.setup.progress is not None:
-                self.setup.progress.close()
-            ctx.events.run_end(RunEnd(status=status, error=error, rank=ctx.rank, steps=trainer.state.global_step))
+        status = outcome.status
         model = trainer.model
         self.summary = {
             "status": status,

@@ -29,7 +29,6 @@ from soup_core import (
     OptimizerStep,
     ProgressLine,
     Rollback,
-    RunEnd,
     SetCoefficient,
     Stop,
     encode_rows,
@@ -192,37 +191,28 @@ class MLXRun:
         """Set up, emit run start, train, save; run end on every exit path; return the summary."""
         self.setup()
         ctx, t = self.ctx, self.config.training
-        ctx.events.run_start(
-            ctx.start_event(
-                backend=MLXBackend.name,
-                batch_size=int(t.batch_size),
-                grad_accum=int(t.gradient_accumulation_steps),
-                packing=False,
-                resumed_from_step=self.resumed_from_step,
-            )
+        start = ctx.start_event(
+            backend=MLXBackend.name,
+            batch_size=int(t.batch_size),
+            grad_accum=int(t.gradient_accumulation_steps),
+            packing=False,
+            resumed_from_step=self.resumed_from_step,
         )
         self.progress = None
         if ctx.rank == 0:
             self.progress = ProgressLine(logging_steps=int(t.logging_steps), report=self.say)
-        status, error = "failed", None
-        try:
-            if self.progress is not None:
-                self.progress.start(self.plan.total_steps, self.global_step)
+        progress = self.progress
+        with ctx.reporting(
+            start, steps=lambda: self.global_step, on_exit=progress.close if progress else lambda: None
+        ) as outcome:
+            if progress is not None:
+                progress.start(self.plan.total_steps, self.global_step)
             mx.reset_peak_memory()
             self._train()
             self.peak_memory = int(mx.get_peak_memory())
-            status = "stopped" if self.stop_reason else "completed"
+            outcome.status = "stopped" if self.stop_reason else "completed"
             self._save_output()
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            if self.progress is not None:
-                self.progress.close()
-            ctx.events.run_end(RunEnd(status=status, error=error, rank=ctx.rank, steps=self.global_step))
+        status = outcome.status
         return {
             "status": status,
             "stop_reason": self.stop_reason,
