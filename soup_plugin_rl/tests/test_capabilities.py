@@ -10,15 +10,9 @@ import types
 import pytest
 
 from soup_core import probes
-from soup_plugin_rl.capabilities import (
-    TASK_NEEDS,
-    CapabilityError,
-    check_needs,
-    find_class,
-    handles_literal,
-    loss_type_value,
-    probe_task,
-)
+from soup_plugin_rl.capabilities import check_needs, find_class, handles_literal, loss_type_value
+from soup_plugin_rl.errors import CapabilityError
+from soup_plugin_rl.tasks import TASKS, BCOTask, GRPOTask, IPOTask, PPOTask
 from soup_plugin_rl.variants import VARIANTS, plan_variant
 
 
@@ -102,7 +96,7 @@ def test_accepts_follows_the_class_not_the_version(trainers):
     TrainerWithAllLosses, _ = trainers
     with_kw, without_kw = config_class("loss_type"), config_class("beta")
     assert probes.accepts(with_kw, "loss_type") and not probes.accepts(without_kw, "loss_type")
-    needs = TASK_NEEDS["ipo"]
+    needs = IPOTask.trl_needs
     assert check_needs(needs, TrainerWithAllLosses, config_class("beta", "loss_type")).ok
     refused = check_needs(needs, TrainerWithAllLosses, config_class("beta"))
     assert not refused.ok and "does not accept loss_type" in refused.reason
@@ -110,7 +104,7 @@ def test_accepts_follows_the_class_not_the_version(trainers):
 
 def test_a_loss_type_the_trainer_does_not_know_is_refused(trainers):
     TrainerWithAllLosses, TrainerWithoutSeam = trainers
-    needs = TASK_NEEDS["bco"]  # bco_pair
+    needs = BCOTask.trl_needs  # bco_pair
     config = config_class("beta", "loss_type")
     assert handles_literal(TrainerWithAllLosses, "bco_pair") is True
     assert handles_literal(TrainerWithoutSeam, "bco_pair") is False
@@ -197,11 +191,12 @@ def test_every_loss_type_the_installed_trl_offers_is_a_variant():
 
 
 def test_installed_trl_probes():
-    for task in ("dpo", "ipo", "bco", "kto", "cpo", "simpo", "orpo", "grpo"):
-        result = probe_task(task)
-        assert result.ok, (task, result.reason)
-    assert "gspo (native)" in probe_task("grpo").detail
-    ppo = probe_task("ppo")
+    for task in TASKS:
+        if task is not PPOTask:
+            result = task.probe()
+            assert result.ok, (task.name, result.reason)
+    assert "gspo (native)" in GRPOTask.probe().detail
+    ppo = PPOTask.probe()
     assert not ppo.ok and "PPOTrainer" in ppo.reason
 
 

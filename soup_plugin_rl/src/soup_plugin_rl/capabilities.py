@@ -15,18 +15,15 @@ import functools
 import importlib
 import inspect
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from soup_core import probes
 from soup_core.contracts import ProbeResult
+from soup_plugin_rl.errors import CapabilityError
 
 INSTALL_FIX = "pip install 'soup-core[train]' (or upgrade trl: pip install -U trl)"
-
-
-class CapabilityError(RuntimeError):
-    """The installed trl lacks something a task needs; the message says what and where it looked."""
 
 
 class TrlPair(NamedTuple):
@@ -40,36 +37,12 @@ class TrlPair(NamedTuple):
 
 class TaskNeeds(NamedTuple):
     """What a task needs from trl: the classes, the config keywords it must be able to set (with the
-    value it sets), and the loss-type literal the trainer's loss code must handle (None: any)."""
+    value it sets), and the loss-type literal the trainer's loss code must handle (None: any). Each task
+    declares its own as its ``trl_needs`` class attribute (:mod:`soup_plugin_rl.tasks`)."""
 
     pair: TrlPair
     required: Mapping[str, Any]
     loss_literal: str | None = None
-
-
-_DPO = TrlPair("DPOTrainer", "DPOConfig", ("trl", "trl.experimental.dpo"))
-_KTO = TrlPair("KTOTrainer", "KTOConfig", ("trl", "trl.experimental.kto"))
-_CPO = TrlPair("CPOTrainer", "CPOConfig", ("trl", "trl.experimental.cpo"))
-_ORPO = TrlPair("ORPOTrainer", "ORPOConfig", ("trl", "trl.experimental.orpo"))
-_GRPO = TrlPair("GRPOTrainer", "GRPOConfig", ("trl", "trl.experimental.grpo"))
-_PPO = TrlPair("PPOTrainer", "PPOConfig", ("trl", "trl.experimental.ppo"))
-
-#: task name -> what it needs. The values of ``required`` are what the task sets.
-TASK_NEEDS: dict[str, TaskNeeds] = {
-    "dpo": TaskNeeds(_DPO, {"beta": 0.1, "loss_type": "sigmoid"}, "sigmoid"),
-    "ipo": TaskNeeds(_DPO, {"beta": 0.1, "loss_type": "ipo"}, "ipo"),
-    "bco": TaskNeeds(_DPO, {"beta": 0.1, "loss_type": "bco_pair"}, "bco_pair"),
-    "kto": TaskNeeds(_KTO, {"beta": 0.1, "loss_type": "kto"}, "kto"),
-    "cpo": TaskNeeds(_CPO, {"beta": 0.1, "loss_type": "sigmoid", "cpo_alpha": 1.0}, "sigmoid"),
-    "simpo": TaskNeeds(
-        _CPO, {"beta": 0.1, "loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": 0.5}, "simpo"
-    ),
-    "orpo": TaskNeeds(_ORPO, {"beta": 0.1}, None),
-    "grpo": TaskNeeds(
-        _GRPO, {"beta": 0.1, "num_generations": 2, "max_completion_length": 16, "num_iterations": 1}, None
-    ),
-    "ppo": TaskNeeds(_PPO, {}, None),
-}
 
 
 # ------------------------------------------------------------------------------------------ finding
@@ -184,35 +157,18 @@ def check_needs(needs: TaskNeeds, trainer_cls: Any, config_cls: Any) -> ProbeRes
     return ProbeResult(True, detail=f"{trainer_cls.__module__}.{trainer_cls.__name__}")
 
 
-def probe_task(task: str) -> ProbeResult:
-    """The deep probe of one task: find its trl classes and check what it needs."""
-    if task == "ppo":
-        return probe_ppo()
-    needs = TASK_NEEDS[task]
+def probe_needs(
+    name: str, needs: TaskNeeds, describe: Callable[[Any, Any], str] | None = None
+) -> ProbeResult:
+    """The deep probe of task ``name``: find its trl classes and check they offer what ``needs`` asks.
+    ``describe(trainer class, config class)`` gives the detail of a success (default: where the trainer
+    is)."""
     try:
         trainer_cls, config_cls = find_pair(needs.pair)
     except CapabilityError as exc:
         return ProbeResult(False, str(exc), INSTALL_FIX)
     result = check_needs(needs, trainer_cls, config_cls)
-    if result.ok and task == "grpo":
-        from soup_plugin_rl.variants import variant_summary
-
-        return ProbeResult(True, detail=f"grpo variants: {variant_summary(trainer_cls, config_cls)}")
-    return result if not result.ok else ProbeResult(True, detail=f"{task}: {result.detail}")
-
-
-def probe_ppo() -> ProbeResult:
-    """PPO: this plugin drives no PPO trainer (it needs a reward and a value model, which no config field
-    names yet); the reason says whether the installed trl has one at all."""
-    try:
-        trainer_cls, _ = find_class(_PPO.trainer, _PPO.modules)
-    except CapabilityError as exc:
-        return ProbeResult(
-            False, f"{exc}; PPO cannot run with this trl", "use task grpo (no value model needed)"
-        )
-    return ProbeResult(
-        False,
-        f"the installed trl has {trainer_cls.__module__}.{trainer_cls.__name__}, but soup-plugin-rl "
-        "0.1 has no PPO driver yet (it needs a reward model and a value model)",
-        "use task grpo",
-    )
+    if not result.ok:
+        return result
+    detail = describe(trainer_cls, config_cls) if describe else f"{name}: {result.detail}"
+    return ProbeResult(True, detail=detail)

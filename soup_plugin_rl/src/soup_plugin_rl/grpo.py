@@ -20,23 +20,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Sampler
 
 from soup_core import BackendError, SoupTrainerMixin, micro_batches
 from soup_plugin_rl import variants as variants_mod
-from soup_plugin_rl.capabilities import TASK_NEEDS, CapabilityError, check_needs, find_pair
+from soup_plugin_rl.capabilities import check_needs, find_pair
 from soup_plugin_rl.common import (
     LiveBeta,
     quiet_datasets,
     rows_with_index,
     use_disabled_adapters_as_reference,
 )
+from soup_plugin_rl.errors import CapabilityError
 from soup_plugin_rl.rewards import build_rewards
 from soup_plugin_rl.trl_args import build_config
 from soup_plugin_rl.variants import SEAM_FORMULAS, SeamBatch, VariantPlan
+
+if TYPE_CHECKING:
+    from soup_plugin_rl.tasks import GRPOTask
 
 #: trainer attribute that holds each GRPOConfig switch after trl's __init__ (checked after building)
 _NATIVE_ATTRS = {
@@ -221,9 +225,9 @@ def verify_native(trainer: Any, plan: VariantPlan) -> None:
             )
 
 
-def build_grpo_trainer(setup: Any) -> Any:
+def build_grpo_trainer(task: GRPOTask, setup: Any) -> Any:
     """trl's GRPOTrainer for the run, with the variant's switches or seam and the core's seams."""
-    needs = TASK_NEEDS["grpo"]
+    needs = task.trl_needs
     trainer_cls, config_cls = find_pair(needs.pair)
     verdict = check_needs(needs, trainer_cls, config_cls)
     if not verdict.ok:
@@ -279,7 +283,7 @@ def build_grpo_trainer(setup: Any) -> Any:
     verify_native(trainer, plan)
     line = (
         use_disabled_adapters_as_reference(trainer, ctx.report)
-        if float(t.beta) != 0
+        if task.uses_reference(config)
         else "reference: none (β = 0)"
     )
     trainer.soup_attach(setup)

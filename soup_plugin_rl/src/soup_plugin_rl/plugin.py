@@ -14,13 +14,14 @@ from typing import Annotated, Any, Literal
 from soup_core import ConfigField, DataFormat, PreflightReport, Probe, ProbeResult, Support, hookimpl, probes
 from soup_plugin_rl import hack
 from soup_plugin_rl.formats import FORMATS
-from soup_plugin_rl.tasks import TASKS, VARIANT_NAMES
+from soup_plugin_rl.names import VARIANT_NAMES
+from soup_plugin_rl.tasks import TASKS, GRPOTask, PPOTask, PreferenceTask, RLTask
 
 #: Hook-API versions this plugin supports (min, max).
 SOUP_HOOK_API = (1, 1)
 
 TASK_NAMES = tuple(t.name for t in TASKS)
-PREFERENCE_TASKS = ("dpo", "ipo", "bco", "kto", "cpo", "simpo", "orpo")
+_BY_NAME = {t.name: t for t in TASKS}
 
 GrpoVariant = Literal[VARIANT_NAMES]  # type: ignore[valid-type]
 
@@ -79,25 +80,13 @@ FIELDS: list[ConfigField] = [
     ),
 ]
 
-_GRPO_FIELDS = frozenset(
-    {
-        "training.grpo_variant",
-        "training.num_generations",
-        "training.beta",
-        "training.reward_fn",
-        "training.grpo_iterations",
-        "training.max_completion_length",
-    }
-)
-
-
-def _core_fields(task: str) -> frozenset[str]:
+def _core_fields(task: type[RLTask]) -> frozenset[str]:
     from soup_core import HONOURED_FIELDS
 
     # Preference and GRPO examples are built by trl from the rows: there is no response-only switch and no
-    # packing; GRPO prompts are not truncated (the installed GRPOConfig has no prompt length to set).
+    # packing.
     fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing"}
-    if task in ("grpo", "ppo"):
+    if not task.honours_max_length:
         fields.discard("data.max_length")
     return frozenset(fields)
 
@@ -125,32 +114,18 @@ def soup_register_controllers() -> list[type]:
 @hookimpl
 def soup_register_support() -> list[Support]:
     rows = []
-    for task in TASK_NAMES:
-        own = (
-            _GRPO_FIELDS if task == "grpo" else frozenset({"training.beta"}) if task != "ppo" else frozenset()
-        )
-        if task in hack.RL_TASKS:  # the reward-hack controller's tunables apply to the live-reward tasks
+    for task in TASKS:
+        own = task.own_fields
+        if task.name in hack.RL_TASKS:  # the reward-hack controller's tunables apply to the live-reward tasks
             own = own | frozenset(hack.FIELD_PATHS)
-        rows.append(Support(backend="transformers", task=task, fields=_core_fields(task) | own))
+        rows.append(Support(backend="transformers", task=task.name, fields=_core_fields(task) | own))
     return rows
-
-
-def _task_probe(task: str):
-    def check():
-        from soup_plugin_rl.capabilities import probe_task
-
-        return probe_task(task)
-
-    check.__name__ = f"probe_{task}"
-    return check
 
 
 @hookimpl
 def soup_register_probes() -> list[Probe]:
     checks = [Probe("trl installed", _trl_present)]
-    checks += [
-        Probe(f"trl {task}", _task_probe(task), deep=True, scope=f"task:{task}") for task in TASK_NAMES
-    ]
+    checks += [Probe(f"trl {t.name}", t.probe, deep=True, scope=f"task:{t.name}") for t in TASKS]
     return checks
 
 
@@ -169,38 +144,41 @@ def _trl_present() -> ProbeResult:
 
 def preflight_lines(config: Any) -> PreflightReport | None:
     """The rl part of the plan, or a refusal (what, and how to fix it)."""
-    task = config.task
-    if task not in TASK_NAMES or task == "ppo":
+    task = _BY_NAME.get(config.task)
+    if task is None or task is PPOTask:  # ppo's probe already says why it cannot run
         return None
     t = config.training
-    title = f"rl: {task}"
-    if task in PREFERENCE_TASKS:
+    title = f"rl: {task.name}"
+    preference = issubclass(task, PreferenceTask)
+    if preference:
         if t.beta <= 0:
             return PreflightReport(
                 title,
-                refusal=f"task {task} needs training.beta above 0, got {t.beta}",
+                refusal=f"task {task.name} needs training.beta above 0, got {t.beta}",
                 fix="set training.beta (0.1 is usual)",
             )
-    reference = task in ("dpo", "ipo", "bco", "kto") or (task == "grpo" and t.beta > 0)
+    reference = task.uses_reference(config)
     if reference and t.lora.r == 0:
         return PreflightReport(
             title,
-            refusal=f"task {task} compares against a reference model, which here is the base with the LoRA "
-            "adapter disabled; with training.lora.r: 0 there is no adapter to disable",
-            fix="set training.lora.r above 0" + (" (or training.beta: 0 for grpo)" if task == "grpo" else ""),
+            refusal=f"task {task.name} compares against a reference model, which here is the base with the "
+            "LoRA adapter disabled; with training.lora.r: 0 there is no adapter to disable",
+            fix="set training.lora.r above 0"
+            + (" (or training.beta: 0 for grpo)" if task is GRPOTask else ""),
         )
     lines = []
     if reference:
         lines.append("reference: the base model with the LoRA adapter disabled")
-    if task != "grpo":
-        lines.append(f"β = {t.beta}; rewind: per-{'row' if task == 'kto' else 'pair'} losses")
+    if preference:
+        lines.append(f"β = {t.beta}; rewind: per-{task.row_loss_unit} losses")
         return PreflightReport(title, lines)
-    from soup_plugin_rl.capabilities import TASK_NEEDS, CapabilityError, find_pair
+    from soup_plugin_rl.capabilities import find_pair
+    from soup_plugin_rl.errors import CapabilityError
     from soup_plugin_rl.rewards import RewardError, check_spec, reward_specs
     from soup_plugin_rl.variants import plan_variant
 
     try:
-        trainer_cls, config_cls = find_pair(TASK_NEEDS["grpo"].pair)
+        trainer_cls, config_cls = find_pair(task.trl_needs.pair)
         plan = plan_variant(str(t.grpo_variant), trainer_cls, config_cls)
     except CapabilityError as exc:
         return PreflightReport(

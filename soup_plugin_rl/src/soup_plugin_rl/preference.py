@@ -10,13 +10,13 @@ outputs of the step (captured by a forward hook) with the loss's closed form.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from soup_core import SoupTrainerMixin
-from soup_plugin_rl.capabilities import TASK_NEEDS, CapabilityError, check_needs, find_pair, loss_type_value
+from soup_plugin_rl.capabilities import check_needs, find_pair, loss_type_value
 from soup_plugin_rl.common import (
     LiveBeta,
     check_no_row_dropped,
@@ -24,10 +24,11 @@ from soup_plugin_rl.common import (
     rows_with_index,
     use_disabled_adapters_as_reference,
 )
+from soup_plugin_rl.errors import CapabilityError
 from soup_plugin_rl.trl_args import build_config
 
-#: tasks whose reference is the base with the adapter disabled
-WITH_REFERENCE = frozenset({"dpo", "ipo", "bco", "kto"})
+if TYPE_CHECKING:
+    from soup_plugin_rl.tasks import PreferenceTask
 
 
 # ----------------------------------------------------------------------------------- closed forms
@@ -240,43 +241,41 @@ class ORPORows(_LogitRows):
         return _row_nll(logits[:n], self._rl_full_labels[:n]) - ratio_losses, tokens
 
 
+#: trl trainer -> the mixin that computes its loss's per-row closed form
 _ROWS: dict[str, type[PreferenceRows]] = {
-    "dpo": DPORows,
-    "ipo": DPORows,
-    "bco": DPORows,
-    "kto": KTORows,
-    "cpo": CPORows,
-    "simpo": CPORows,
-    "orpo": ORPORows,
+    "DPOTrainer": DPORows,
+    "KTOTrainer": KTORows,
+    "CPOTrainer": CPORows,
+    "ORPOTrainer": ORPORows,
 }
 _CLASSES: dict[tuple[Any, str], type] = {}
 
 
-def soup_trainer_class(trainer_cls: type, task: str) -> type:
+def soup_trainer_class(trainer_cls: type, task: PreferenceTask) -> type:
     """``(<rows mixin>, SoupTrainerMixin, trainer_cls)`` for ``task``, made once per trl class."""
-    key = (trainer_cls, task)
+    key = (trainer_cls, task.name)
     if key not in _CLASSES:
-        rows = _ROWS[task]
+        rows = _ROWS[task.trl_needs.pair.trainer]
         _CLASSES[key] = type(
             f"Soup{trainer_cls.__name__}",
             (rows, SoupTrainerMixin, trainer_cls),
-            {"soup_task": task, "__module__": __name__},
+            {"soup_task": task.name, "__module__": __name__},
         )
     return _CLASSES[key]
 
 
-def task_settings(task: str, config: Any, config_cls: Any) -> dict[str, Any]:
+def task_settings(task: PreferenceTask, config: Any, config_cls: Any) -> dict[str, Any]:
     """The config keywords the task sets (all required: the probe checked the class accepts them)."""
-    required = dict(TASK_NEEDS[task].required)
+    required = dict(task.trl_needs.required)
     required["beta"] = float(config.training.beta)
     if "loss_type" in required:
         required["loss_type"] = loss_type_value(config_cls, required["loss_type"])
     return required
 
 
-def build_preference_trainer(task: str, setup: Any) -> Any:
+def build_preference_trainer(task: PreferenceTask, setup: Any) -> Any:
     """The trl trainer for preference task ``task`` with the core's seams attached."""
-    needs = TASK_NEEDS[task]
+    needs = task.trl_needs
     trainer_cls, config_cls = find_pair(needs.pair)
     verdict = check_needs(needs, trainer_cls, config_cls)
     if not verdict.ok:
@@ -313,7 +312,7 @@ def build_preference_trainer(task: str, setup: Any) -> Any:
     if evaluation is not None:
         check_no_row_dropped(trainer.eval_dataset, len(val_rows), "validation", max_length)
     trainer.data_collator = RowIndexCollator(trainer.data_collator)
-    line = use_disabled_adapters_as_reference(trainer, ctx.report) if task in WITH_REFERENCE else ""
+    line = use_disabled_adapters_as_reference(trainer, ctx.report) if task.uses_reference(config) else ""
     trainer.soup_attach(setup)
     trainer.rl_attach(setup)
     trainer.rl_reference = line

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from soup_core import probes
-from soup_plugin_rl.capabilities import CapabilityError
+from soup_plugin_rl.errors import CapabilityError
 
 #: TrainingArguments settings the backend decides from the soup config, copied to every task's config.
 SHARED_ARGS = (

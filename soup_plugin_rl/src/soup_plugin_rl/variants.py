@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from soup_core import probes
-from soup_plugin_rl.capabilities import CapabilityError, handles_literal
-from soup_plugin_rl.tasks import VARIANT_NAMES
+from soup_plugin_rl.capabilities import handles_literal
+from soup_plugin_rl.errors import CapabilityError
+from soup_plugin_rl.names import VARIANT_NAMES
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ VARIANTS: dict[str, Variant] = {
 
 if tuple(VARIANTS) != VARIANT_NAMES:  # pragma: no cover - a module-level consistency check
     raise ImportError(
-        "soup_plugin_rl.tasks.VARIANT_NAMES does not list the variants of soup_plugin_rl.variants"
+        "soup_plugin_rl.names.VARIANT_NAMES does not list the variants of soup_plugin_rl.variants"
     )
 
 
