@@ -6,16 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from soup_core import Backend
+from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 
-
-class MLXBackendError(RuntimeError):
-    """A run on the mlx backend cannot go on for a reason the user can fix (what, where, how)."""
+__all__ = ["MLXBackend", "MLXBackendError"]
 
 
 class MLXBackend(Backend):
     """Trains with Apple's MLX and mlx-lm (LoRA or full fine-tuning), on the core's row order."""
 
-    name = "mlx"
+    name = BACKEND_NAME
     description = "Apple MLX + mlx-lm (LoRA or full fine-tuning; Metal on Apple silicon, else CPU)"
     multi_process = False  # soup train --nproc N is refused before anything is launched
 

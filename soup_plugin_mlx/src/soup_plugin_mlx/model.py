@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from soup_core import LoadedModel
-from soup_plugin_mlx.backend import MLXBackendError
+from soup_plugin_mlx.errors import MLXBackendError
 
 #: ``target_modules: auto`` on llama-like models, as on the transformers backend.
 LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

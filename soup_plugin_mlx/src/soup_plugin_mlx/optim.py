@@ -7,7 +7,7 @@ import math
 
 import mlx.core as mx
 
-from soup_plugin_mlx.backend import MLXBackendError
+from soup_plugin_mlx.errors import MLXBackendError
 
 _NO_DECAY = ("bias", "layernorm", "rmsnorm")
 

@@ -35,7 +35,7 @@ from soup_core import (
 )
 from soup_core import micro_batches as core_micro_batches
 from soup_plugin_mlx import adapters
-from soup_plugin_mlx.backend import MLXBackend, MLXBackendError
+from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 from soup_plugin_mlx.model import make_trainable
 from soup_plugin_mlx.optim import AdamW, clip_by_global_norm
 from soup_plugin_mlx.probes import describe_device
@@ -61,7 +61,7 @@ def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
             f"training.resume_from: {folder} is not a checkpoint folder ({adapters.TRAINER_STATE} is missing)"
         )
     state = json.loads(state_file.read_text(encoding="utf-8"))
-    if state.get("backend") != MLXBackend.name or not (folder / adapters.ADAPTER_WEIGHTS).is_file():
+    if state.get("backend") != BACKEND_NAME or not (folder / adapters.ADAPTER_WEIGHTS).is_file():
         raise MLXBackendError(
             f"training.resume_from: {folder} was not written by the mlx backend; resume it with the backend "
             "that wrote it (backend: transformers), or start afresh"
@@ -192,7 +192,7 @@ class MLXRun:
         self.setup()
         ctx, t = self.ctx, self.config.training
         start = ctx.start_event(
-            backend=MLXBackend.name,
+            backend=BACKEND_NAME,
             batch_size=int(t.batch_size),
             grad_accum=int(t.gradient_accumulation_steps),
             packing=False,
@@ -397,7 +397,7 @@ class MLXRun:
             adapters.write_json(
                 tmp / adapters.TRAINER_STATE,
                 {
-                    "backend": MLXBackend.name,
+                    "backend": BACKEND_NAME,
                     "global_step": self.global_step,
                     "epoch": self.global_step / self.plan.steps_per_epoch,
                     "max_steps": self.plan.total_steps,
