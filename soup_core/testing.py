@@ -1,42 +1,80 @@
-"""A testing kit for plugin authors (and for Soup's own tests).
+"""A test kit for plugin authors (and for Soup's own tests): helpers, and a pytest plugin.
+
+Enable the fixtures with one line in a test suite's ``conftest.py``::
+
+    pytest_plugins = ["soup_core.testing"]
+
+- ``soup_home``: a fresh ``SOUP_HOME`` folder for the test (and the subprocesses it starts).
+- ``torch_one_thread`` (session): torch, set to one intra-op thread.
+- ``tiny_model`` (session): a local folder with a tiny Llama and a tokenizer with a chat template, built once,
+  nothing downloaded (:mod:`soup_core.tiny`).
+- ``run_training``: ``run_training(config, plugins=...)`` trains in-process through ``soup train``'s own code
+  and returns a :class:`TrainingResult` with the run's events.
+
+The helpers need no pytest:
 
 - :func:`isolated_plugins` builds a plugin set with the built-ins and the plugin objects you pass, without
   reading the installed entry points, so a test sees exactly the plugins it names.
 - :func:`registered_plugin` makes ``soup_core.load_plugins()`` (and so the CLI) include a plugin object
   for the duration of a ``with`` block.
+- :func:`train_in_process` is what ``run_training`` calls, for runners of a wider scope (a session fixture).
 - :func:`make_distribution` lays out a real installed distribution (``.dist-info`` with ``METADATA`` and
   ``entry_points.txt``, plus its modules) in a folder, as pip would in site-packages, so entry-point
   discovery can be tested for real: put the folder on ``sys.path`` (or ``PYTHONPATH`` for a subprocess).
 - :func:`run_soup` runs the ``soup`` CLI in a fresh subprocess.
+- :func:`write_jsonl` and :func:`write_yaml` write a data file and a config.
+
+Importing this module imports the core's contracts and nothing heavy (no torch, transformers, peft, trl,
+datasets, mlx, nor the plugin manager): every fixture and helper imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from soup_core.plugins import manager
-from soup_core.plugins.manager import PluginSet, build_plugin_set
+try:
+    import pytest
+except ImportError:  # the helpers work without pytest; only the fixtures need it
+    pytest = None  # type: ignore[assignment]
+
+from soup_core.contracts import Recorder
+from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+
+if TYPE_CHECKING:
+    from soup_core.plugins.manager import PluginSet
+
+#: The name the recording plugin of :func:`train_in_process` registers under.
+RECORDER_PLUGIN = "soup-testing"
+
+
+# ------------------------------------------------------------------------------------------ plugin sets
 
 
 def isolated_plugins(
     *plugins: tuple[str, Any], builtins: bool = True, entry_points: bool = False, strict: bool = False
 ) -> PluginSet:
     """A fresh plugin set: the built-ins (unless ``builtins=False``) plus ``(name, plugin)`` pairs."""
+    from soup_core.plugins.manager import build_plugin_set
+
     return build_plugin_set(extra=list(plugins), builtins=builtins, entry_points=entry_points, strict=strict)
 
 
 @contextlib.contextmanager
-def registered_plugin(name: str, plugin: Any, *, entry_points: bool = False) -> Iterator[PluginSet]:
-    """Within the block, ``load_plugins()`` returns a set that includes ``plugin`` under ``name``."""
+def serving(plugin_set: PluginSet) -> Iterator[PluginSet]:
+    """Within the block, ``load_plugins()`` (and so the CLI) returns ``plugin_set``."""
+    import soup_core.plugins as plugins_pkg
+    from soup_core.plugins import manager
+
     saved = dict(manager._cache)
-    plugin_set = build_plugin_set(extra=[(name, plugin)], entry_points=entry_points)
     manager._cache.clear()
     original = manager.load_plugins
 
@@ -44,8 +82,6 @@ def registered_plugin(name: str, plugin: Any, *, entry_points: bool = False) -> 
         return plugin_set
 
     manager.load_plugins = _load  # type: ignore[assignment]
-    import soup_core.plugins as plugins_pkg
-
     plugins_pkg.load_plugins = _load  # type: ignore[assignment]
     try:
         yield plugin_set
@@ -56,6 +92,278 @@ def registered_plugin(name: str, plugin: Any, *, entry_points: bool = False) -> 
         manager._cache.update(saved)
 
 
+@contextlib.contextmanager
+def registered_plugin(name: str, plugin: Any, *, entry_points: bool = False) -> Iterator[PluginSet]:
+    """Within the block, ``load_plugins()`` returns a set that includes ``plugin`` under ``name``."""
+    from soup_core.plugins.manager import build_plugin_set
+
+    with serving(build_plugin_set(extra=[(name, plugin)], entry_points=entry_points)) as plugin_set:
+        yield plugin_set
+
+
+def plugins_with(extra: Sequence[tuple[str, Any]], *, installed: bool = True) -> PluginSet:
+    """The built-ins, the installed plugins (unless ``installed=False``) and ``extra``: ``(name, plugin)``
+    pairs. An extra plugin named like an installed one takes its place."""
+    from importlib.metadata import entry_points
+
+    from soup_core.plugins.manager import build_plugin_set
+
+    names = {name for name, _ in extra}
+    found = list(entry_points(group="soup")) if installed else []
+    if not names & {ep.name for ep in found}:
+        return build_plugin_set(extra=list(extra), entry_points=installed)
+    # The manager registers an installed plugin and an extra of the same name both, and refuses the second
+    # as a duplicate: load the other installed ones here and hand them over beside the extras.
+    others: list[tuple[str, Any]] = []
+    for ep in found:
+        if ep.name in names:
+            continue
+        try:
+            others.append((ep.name, ep.load()))
+        except Exception as exc:  # noqa: BLE001 - a broken installed plugin is skipped, as soup train would
+            import warnings
+
+            warnings.warn(f"installed plugin {ep.name!r} failed to import and is left out: {exc}", stacklevel=2)
+    return build_plugin_set(extra=[*others, *extra], entry_points=False)
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+class EventLog:
+    """A run's events (``events``, in order) and views of them by kind."""
+
+    events: list[Any]
+
+    @property
+    def starts(self) -> list[RunStart]:
+        return [event for event in self.events if isinstance(event, RunStart)]
+
+    @property
+    def micro(self) -> list[MicroBatch]:
+        """The ``MicroBatch`` events."""
+        return [event for event in self.events if isinstance(event, MicroBatch)]
+
+    @property
+    def steps(self) -> list[OptimizerStep]:
+        return [event for event in self.events if isinstance(event, OptimizerStep)]
+
+    @property
+    def ends(self) -> list[RunEnd]:
+        return [event for event in self.events if isinstance(event, RunEnd)]
+
+    @property
+    def start(self) -> RunStart | None:
+        """The first ``RunStart`` (None before the run started)."""
+        return next(iter(self.starts), None)
+
+    @property
+    def end(self) -> RunEnd | None:
+        """The last ``RunEnd`` (None before the run ended)."""
+        return next(reversed(self.ends), None)
+
+
+class EventRecorder(Recorder, EventLog):
+    """A recorder that keeps every event it receives, for a ``RunEvents`` a test builds itself (one
+    instance per run). Register it through a plugin for ``soup train`` runs, or use ``run_training``."""
+
+    name = "soup-testing-events"
+    description = "keeps every event of the run for a test (soup_core.testing)"
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def on_run_start(self, event: RunStart) -> None:
+        self.events.append(event)
+
+    def on_micro_batch(self, event: MicroBatch) -> None:
+        self.events.append(event)
+
+    def on_optimizer_step(self, event: OptimizerStep) -> None:
+        self.events.append(event)
+
+    def on_run_end(self, event: RunEnd) -> None:
+        self.events.append(event)
+
+
+@dataclass
+class TrainingResult(EventLog):
+    """What one in-process ``soup train`` did.
+
+    ``status`` is the run's end status (completed, stopped; ``planned`` for a dry run); ``events`` its
+    ``RunStart``, ``MicroBatch``, ``OptimizerStep`` and ``RunEnd`` events in order; ``output`` what it printed.
+    """
+
+    run_id: str
+    status: str
+    output_dir: Path
+    events: list[Any] = field(default_factory=list)
+    output: str = ""
+
+
+class TrainingFailed(AssertionError):
+    """``soup train`` refused or failed; the message is Soup's own.
+
+    An ``AssertionError``, so that pytest shows it as a failed test rather than an error in the kit.
+    """
+
+    def __init__(self, message: str, *, exit_code: int, output: str, events: list[Any]) -> None:
+        super().__init__(message)
+        self.message, self.exit_code, self.output, self.events = message, exit_code, output, events
+
+
+def _recording_plugin(events: list[Any]) -> Any:
+    """A plugin whose recorder appends every event of the run to ``events``."""
+    from soup_core import HOOK_API_VERSION, hookimpl
+
+    class RunRecorder(EventRecorder):
+        def __init__(self) -> None:
+            self.events = events
+
+    class RecordingPlugin:
+        SOUP_HOOK_API = (HOOK_API_VERSION, HOOK_API_VERSION)
+
+        @hookimpl
+        def soup_register_recorders(self) -> list[type]:
+            return [RunRecorder]
+
+    return RecordingPlugin()
+
+
+@contextlib.contextmanager
+def _recording_consoles() -> Iterator[Callable[[], tuple[str, str]]]:
+    """Keep a copy of what Soup's consoles print in the block (they still print); yields a function
+    returning (stdout text, stderr text)."""
+    from soup_core.ui import console, err_console
+
+    recording = [c for c in (console, err_console) if not c.record]  # another recorder keeps its own buffer
+    for c in recording:
+        c.record = True
+    texts: dict[int, str] = {}
+
+    def read() -> tuple[str, str]:
+        return texts.get(id(console), ""), texts.get(id(err_console), "")
+
+    try:
+        yield read
+    finally:
+        for c in recording:
+            texts[id(c)] = c.export_text(clear=True, styles=False)
+            c.record = False
+
+
+def _error_message(err: str, code: int) -> str:
+    """Soup's message: what ``soup train`` printed from its ``error:`` line on (warnings before it are not
+    part of it)."""
+    lines = err.strip().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("error:")), None)
+    if first is None:
+        return err.strip() or f"soup train exited with code {code}"
+    return "\n".join(lines[first:]).removeprefix("error:").strip()
+
+
+def _next_folder(workdir: Path) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    n = len(list(workdir.glob("run-*")))
+    while True:
+        n += 1
+        folder = workdir / f"run-{n}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def train_in_process(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    workdir: str | os.PathLike[str],
+    plugins: Sequence[tuple[str, Any]] = (),
+    installed: bool = True,
+    default_base: str | os.PathLike[str] | Callable[[], str | os.PathLike[str]] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    dry_run: bool = False,
+) -> TrainingResult:
+    """Run ``soup train`` in this process, through the CLI's own code, and return what it did.
+
+    ``config`` is a mapping (as a ``soup.yaml`` holds it; written to a fresh folder under ``workdir``, so give
+    data paths absolute) or the path of a YAML file. A config without ``base`` trains ``default_base`` (a path,
+    or a function returning one); without ``output``, it writes under ``workdir``. ``overrides`` are dotted keys
+    (``{"training.max_steps": 2}``), as the CLI's flags set them. The plugins are the built-ins, the installed
+    ones (unless ``installed=False``: then only those named), ``plugins`` (``(name, plugin)`` pairs; one named
+    like an installed plugin replaces it) and a recorder that keeps the events. Raises :class:`TrainingFailed`
+    with Soup's message when the run is refused or fails.
+    """
+    import yaml
+
+    from soup_core.cli.train_cmd import run_train_command
+
+    folder = _next_folder(Path(workdir))
+    overrides = dict(overrides or {})
+    if isinstance(config, Mapping):
+        mapping = dict(config)
+        path = folder / "soup.yaml"
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such config file")
+        mapping = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    defaults: dict[str, Any] = {}
+    if "base" not in mapping and "base" not in overrides:
+        if default_base is None:
+            raise ValueError("the config has no base model: set `base`, or pass default_base")
+        defaults["base"] = str(default_base() if callable(default_base) else default_base)
+    if "output" not in mapping and "output" not in overrides:
+        defaults["output"] = str(folder / "output")
+    if isinstance(config, Mapping):
+        write_yaml(path, {**defaults, **mapping})
+    else:
+        overrides = {**defaults, **overrides}
+    events: list[Any] = []
+    plugin_set = plugins_with([*plugins, (RECORDER_PLUGIN, _recording_plugin(events))], installed=installed)
+    with serving(plugin_set), _recording_consoles() as printed:
+        code = run_train_command(path, overrides=overrides, dry_run=dry_run)
+    out, err = printed()
+    if code != 0:
+        raise TrainingFailed(_error_message(err, code), exit_code=code, output=out + err, events=events)
+    if dry_run:
+        merged = {**mapping, **overrides, **defaults}
+        output_dir = Path(str(merged["output"]))
+        if merged.get("experiment_name"):
+            output_dir = output_dir / str(merged["experiment_name"])
+        return TrainingResult("", "planned", output_dir, events, out + err)
+    result = TrainingResult("", "", Path(), events, out + err)
+    start, end = result.start, result.end
+    if start is None or end is None:
+        raise TrainingFailed(
+            "soup train finished, but the backend emitted no RunStart or no RunEnd event (a backend reports "
+            "them through RunContext.reporting; see docs/plugins.md)",
+            exit_code=code, output=out + err, events=events,
+        )
+    result.run_id, result.status, result.output_dir = start.run_id, end.status, Path(start.output_dir)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ files and CLI
+
+
+def write_jsonl(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Write ``rows`` as JSON lines; returns the path."""
+    out = Path(path)
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return out
+
+
+def write_yaml(path: str | os.PathLike[str], mapping: Mapping[str, Any]) -> Path:
+    """Write ``mapping`` as YAML, keys in their order (a ``soup.yaml``); returns the path."""
+    import yaml
+
+    out = Path(path)
+    out.write_text(yaml.safe_dump(dict(mapping), sort_keys=False), encoding="utf-8")
+    return out
+
+
 def make_distribution(
     site_dir: str | os.PathLike[str],
     name: str,
@@ -64,6 +372,7 @@ def make_distribution(
     entry_points: Mapping[str, str] | None = None,
     modules: Mapping[str, str] | None = None,
     requires: Sequence[str] = (),
+    extras: Sequence[str] = (),
 ) -> Path:
     """Write an installed distribution into ``site_dir``: its modules (relative path → source) and a
     ``NAME-VERSION.dist-info`` whose ``entry_points.txt`` lists ``entry_points`` (plugin name →
@@ -78,6 +387,7 @@ def make_distribution(
     info = site / f"{normalized}-{version}.dist-info"
     info.mkdir(exist_ok=True)
     metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    metadata += [f"Provides-Extra: {extra}" for extra in extras]  # the extras its requirements' markers name
     metadata += [f"Requires-Dist: {req}" for req in requires]
     (info / "METADATA").write_text("\n".join(metadata) + "\n", encoding="utf-8")
     if entry_points:
@@ -114,3 +424,77 @@ def run_soup(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+# ------------------------------------------------------------------------------------------ the pytest plugin
+
+
+def _no_pytest(*args: Any, **kwargs: Any) -> Any:
+    """Stands in for ``pytest.fixture`` where pytest is not installed: the function stays as it is."""
+    if args and callable(args[0]):
+        return args[0]
+    return lambda function: function
+
+
+_fixture = pytest.fixture if pytest is not None else _no_pytest
+
+
+def pytest_configure() -> None:
+    """Tiny models train fastest on one thread (more fight over the cores): set that before torch is
+    imported, unless the environment says otherwise."""
+    for name, value in (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(name, value)
+
+
+@_fixture
+def soup_home(tmp_path_factory: Any, monkeypatch: Any) -> Path:
+    """A fresh, empty ``SOUP_HOME`` (tracker database, caches) for this test and the processes it starts."""
+    home = tmp_path_factory.mktemp("soup-home")
+    monkeypatch.setenv("SOUP_HOME", str(home))
+    return home
+
+
+@_fixture(scope="session")
+def torch_one_thread() -> Any:
+    """torch, on one intra-op thread (tiny models and small tensors compute fastest, and alike, on one)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return torch
+
+
+@_fixture(scope="session")
+def tiny_model(tmp_path_factory: Any) -> Path:
+    """A folder with a tiny causal LM (a random Llama: hidden 64, 2 layers) and a locally trained tokenizer
+    with a chat template; ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it. Built once per session."""
+    from soup_core.tiny import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("soup-tiny"))
+
+
+@_fixture
+def run_training(request: Any, tmp_path_factory: Any, soup_home: Path) -> Callable[..., TrainingResult]:
+    """``run_training(config, *, plugins=(), installed=True, overrides=None, dry_run=False)``: one in-process
+    ``soup train`` (see :func:`train_in_process`); ``base`` defaults to ``tiny_model``, ``output`` to a
+    temporary folder."""
+    workdir = tmp_path_factory.mktemp("soup-runs")
+
+    def run(
+        config: Mapping[str, Any] | str | os.PathLike[str],
+        *,
+        plugins: Sequence[tuple[str, Any]] = (),
+        installed: bool = True,
+        overrides: Mapping[str, Any] | None = None,
+        dry_run: bool = False,
+    ) -> TrainingResult:
+        return train_in_process(
+            config,
+            workdir=workdir,
+            plugins=plugins,
+            installed=installed,
+            default_base=lambda: request.getfixturevalue("tiny_model"),
+            overrides=overrides,
+            dry_run=dry_run,
+        )
+
+    return run

@@ -1,4 +1,5 @@
-"""Shared fixtures for the core's tests.
+"""Shared fixtures for the core's tests: the test kit (``soup_core.testing``: ``soup_home``, ``tiny_model``,
+``torch_one_thread``, ``run_training``), pytester, and ``sft_run``, a prepared run of the built-in backend.
 
 Light at import (no torch): tests that check the CLI stays light share this file. Fixtures that need
 torch import it when used.
@@ -6,59 +7,18 @@ torch import it when used.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-# Two shared cores: more threads than one per process makes torch slower, not faster.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest_plugins = ["soup_core.testing", "pytester"]
 
 
 @pytest.fixture(scope="session")
-def torch_one_thread():
-    """Import torch with one intra-op thread."""
-    import torch
-
-    torch.set_num_threads(1)
-    return torch
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
-    """The tiny Llama (hidden 64, 2 layers) and its tokenizer, built once per session in a temp cache
-    (never under ~/.soup)."""
-    from soup_core.tiny import tiny_model_dir as build
-
-    return build(tmp_path_factory.mktemp("soup-home") / "tiny")
-
-
-class ListRecorder:
-    """A recorder that keeps every event it receives."""
-
-    name = "list"
-
-    def __init__(self) -> None:
-        self.starts: list[Any] = []
-        self.micro: list[Any] = []
-        self.steps: list[Any] = []
-        self.ends: list[Any] = []
-
-    def on_run_start(self, event: Any) -> None:
-        self.starts.append(event)
-
-    def on_micro_batch(self, event: Any) -> None:
-        self.micro.append(event)
-
-    def on_optimizer_step(self, event: Any) -> None:
-        self.steps.append(event)
-
-    def on_run_end(self, event: Any) -> None:
-        self.ends.append(event)
+def tiny_model_dir(tiny_model: Path) -> Path:
+    """The kit's ``tiny_model``, under the name the core's tests use."""
+    return tiny_model
 
 
 def chat_rows(n: int) -> list[dict[str, Any]]:
@@ -74,16 +34,12 @@ def chat_rows(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
 @pytest.fixture
-def sft_run(tmp_path: Path, tiny_model_dir: Path):
+def sft_run(tmp_path: Path, tiny_model: Path):
     """A factory: ``sft_run(rows=..., data={...}, training={...}, recorders=..., controllers=...)`` returns
     ``(prepared_run, recorder)`` for the built-in transformers backend and sft task, with a validated
-    config, the real data pipeline and the model loaded through the backend's model-loading hook."""
+    config, the real data pipeline and the model loaded through the backend's model-loading hook; the
+    recorder is an ``EventRecorder`` (``.starts``, ``.micro``, ``.steps``, ``.ends``)."""
     from soup_core.backends.transformers import TransformersBackend
     from soup_core.backends.transformers import plugin as backend_plugin
     from soup_core.config import validate_config
@@ -91,6 +47,7 @@ def sft_run(tmp_path: Path, tiny_model_dir: Path):
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
     from soup_core.tasks import SFTTask
+    from soup_core.testing import EventRecorder, write_jsonl
 
     counter = {"n": 0}
 
@@ -110,14 +67,14 @@ def sft_run(tmp_path: Path, tiny_model_dir: Path):
         counter["n"] += 1
         data_file = write_jsonl(tmp_path / f"train{counter['n']}.jsonl", rows if rows is not None else chat_rows(12))
         mapping = {
-            "base": base or str(tiny_model_dir),
+            "base": base or str(tiny_model),
             "output": str(output or tmp_path / f"out{counter['n']}"),
             "data": {"train": str(data_file), "max_length": 64, **(data or {})},
             "training": {"max_steps": 2, "batch_size": 4, "logging_steps": 1, **(training or {})},
         }
         config = validate_config(mapping)
         training_list = build_training_list(config.data, formats={f.name: f for f in BUILTIN_FORMATS})
-        recorder = ListRecorder()
+        recorder = EventRecorder()
         task = SFTTask()
         ctx = RunContext(
             config=config,
