@@ -12,19 +12,19 @@ required); and those of an extra a soup distribution asks of a third-party packa
 other extras are optional: shown, checked when installed, never failing the run. A requirement whose
 marker excludes this platform (``sys_platform == 'darwin'`` on Linux) is shown as not applicable.
 
-Specifiers and markers are read with ``packaging`` when it is installed (it comes with the ``[train]``
-stack) and otherwise with a small reader for the same grammar, so a light install can be diagnosed too.
-Import-light at module level: typer only; torch is imported when the devices are asked about.
+Requirement lines, specifiers and markers are read by ``packaging`` (a dependency of soup-core), through
+:mod:`soup_core.distributions`. Import-light at module level: torch is imported when the devices are asked about.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from soup_core import distributions
 
 OK, MISSING, OUT_OF_RANGE, OPTIONAL, NOT_APPLICABLE = "ok", "missing", "out of range", "optional", "not applicable"
 
@@ -34,7 +34,7 @@ OK, MISSING, OUT_OF_RANGE, OPTIONAL, NOT_APPLICABLE = "ok", "missing", "out of r
 
 @dataclass(frozen=True)
 class Requirement:
-    """One ``Requires-Dist`` line: ``name[extras] specifier ; marker``."""
+    """One ``Requires-Dist`` line: ``name[extras] specifier ; marker``, as ``packaging`` reads it."""
 
     name: str
     extras: tuple[str, ...] = ()
@@ -42,209 +42,30 @@ class Requirement:
     marker: str = ""
 
 
-def normalise(name: str) -> str:
-    """A project name as PEP 503 compares them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+normalise = distributions.canonical
 
 
-def _packaging() -> Any:
-    try:
-        import packaging.markers
-        import packaging.requirements
-        import packaging.specifiers
-        import packaging.version
-
-        return packaging
-    except ImportError:
-        return None
-
-
-_REQUIREMENT = re.compile(
-    r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?\s*\(?\s*([<>=!~][^;()]*)?\)?\s*(?:;\s*(.*))?$"
-)
-
-
-def parse_requirement(text: str, *, use_packaging: bool | None = None) -> Requirement:
-    """Parse a requirement line (with ``packaging`` when installed, unless ``use_packaging=False``)."""
-    pkg = _packaging() if use_packaging is not False else None
-    if pkg is not None:
-        req = pkg.requirements.Requirement(text)
-        specs = ",".join(sorted(str(s) for s in req.specifier))
-        return Requirement(req.name, tuple(sorted(req.extras)), specs, str(req.marker or ""))
-    m = _REQUIREMENT.match(text)
-    if not m:
-        raise ValueError(f"not a requirement: {text!r}")
-    name, extras, spec, marker = m.groups()
-    extra_names = tuple(sorted(e.strip() for e in (extras or "").split(",") if e.strip()))
-    specs = ",".join(sorted(s.strip().replace(" ", "") for s in (spec or "").split(",") if s.strip()))
-    return Requirement(name, extra_names, specs, (marker or "").strip())
-
-
-def version_in(specifier: str, version: str, *, use_packaging: bool | None = None) -> bool:
-    """Whether an installed ``version`` satisfies ``specifier`` (pre-releases count)."""
-    pkg = _packaging() if use_packaging is not False else None
-    if pkg is not None:
-        try:
-            parsed = pkg.version.Version(version)
-        except pkg.version.InvalidVersion:
-            return False
-        return pkg.specifiers.SpecifierSet(specifier).contains(parsed, prereleases=True)
-    from soup_core.plugins.manager import specifier_contains
-
-    try:
-        return specifier_contains(specifier, version)
-    except ValueError:
-        return False
-
-
-def marker_environment() -> dict[str, str]:
-    """PEP 508's marker variables for this interpreter."""
-    import platform
-    impl = sys.implementation.version
-    impl_version = f"{impl.major}.{impl.minor}.{impl.micro}"
-    if impl.releaselevel != "final":
-        impl_version += impl.releaselevel[0] + str(impl.serial)
-    return {
-        "implementation_name": sys.implementation.name,
-        "implementation_version": impl_version,
-        "os_name": os.name,
-        "platform_machine": platform.machine(),
-        "platform_release": platform.release(),
-        "platform_system": platform.system(),
-        "platform_version": platform.version(),
-        "python_full_version": platform.python_version(),
-        "platform_python_implementation": platform.python_implementation(),
-        "python_version": ".".join(platform.python_version_tuple()[:2]),
-        "sys_platform": sys.platform,
-    }
-
-
-_MARKER_TOKEN = re.compile(
-    r"\s*(?:(?P<str>'[^']*'|\"[^\"]*\")|(?P<op>===|==|!=|<=|>=|~=|<|>|not\s+in\b|in\b)|(?P<paren>[()])"
-    r"|(?P<word>and\b|or\b)|(?P<var>[A-Za-z_][A-Za-z0-9_.]*))\s*"
-)
-
-
-class _MarkerReader:
-    """A small PEP 508 marker evaluator (``or`` / ``and`` / parentheses / comparisons), for when
-    ``packaging`` is not installed."""
-
-    def __init__(self, text: str, env: dict[str, str]) -> None:
-        self.tokens: list[tuple[str, str]] = []
-        pos, text = 0, text.strip()
-        while pos < len(text):
-            m = _MARKER_TOKEN.match(text, pos)
-            if not m or m.end() == pos:
-                raise ValueError(f"cannot read marker {text!r} at {text[pos:]!r}")
-            kind = m.lastgroup or ""
-            self.tokens.append((kind, m.group(kind)))
-            pos = m.end()
-        self.env, self.i = env, 0
-
-    def _peek(self) -> tuple[str, str]:
-        return self.tokens[self.i] if self.i < len(self.tokens) else ("", "")
-
-    def _take(self) -> tuple[str, str]:
-        self.i += 1
-        return self.tokens[self.i - 1] if self.i <= len(self.tokens) else ("", "")
-
-    def evaluate(self) -> bool:
-        value = self._or()
-        if self.i != len(self.tokens):
-            raise ValueError(f"unexpected {self._peek()[1]!r} in marker")
-        return value
-
-    def _or(self) -> bool:
-        value = self._and()
-        while self._peek() == ("word", "or"):
-            self._take()
-            value = self._and() or value
-        return value
-
-    def _and(self) -> bool:
-        value = self._atom()
-        while self._peek() == ("word", "and"):
-            self._take()
-            value = self._atom() and value
-        return value
-
-    def _operand(self) -> tuple[str, bool]:
-        kind, text = self._take()
-        if kind == "str":
-            return text[1:-1], False
-        if kind == "var":
-            if text not in self.env:
-                raise ValueError(f"unknown marker variable {text!r}")
-            return self.env[text], text == "extra"
-        raise ValueError(f"expected a value in marker, got {text!r}")
-
-    def _atom(self) -> bool:
-        if self._peek() == ("paren", "("):
-            self._take()
-            value = self._or()
-            if self._take() != ("paren", ")"):
-                raise ValueError("unbalanced parentheses in marker")
-            return value
-        left, left_extra = self._operand()
-        kind, op = self._take()
-        if kind != "op":
-            raise ValueError(f"expected a comparison in marker, got {op!r}")
-        right, right_extra = self._operand()
-        if left_extra or right_extra:  # extra names compare normalised
-            left, right = normalise(left), normalise(right)
-        op = re.sub(r"\s+", " ", op)
-        if op in ("in", "not in"):
-            return (left in right) == (op == "in")
-        from soup_core.plugins.manager import specifier_contains
-
-        try:
-            return specifier_contains(f"{op}{right}", left)
-        except ValueError:  # not versions: compare as strings
-            pass
-        if op in ("==", "==="):
-            return left == right
-        if op == "!=":
-            return left != right
-        raise ValueError(f"cannot compare {left!r} {op} {right!r}")
-
-
-def marker_applies(marker: str, extra: str = "", *, use_packaging: bool | None = None) -> bool:
-    """Whether a requirement's marker holds on this machine when ``extra`` is requested ("" for none)."""
-    if not marker:
-        return True
-    pkg = _packaging() if use_packaging is not False else None
-    if pkg is not None:
-        return bool(pkg.markers.Marker(marker).evaluate({"extra": extra}))
-    return _MarkerReader(marker, {**marker_environment(), "extra": extra}).evaluate()
-
-
-# ------------------------------------------------------------------------------------ distributions
-
-
-def _metadata() -> Any:
-    import importlib.metadata  # not at module level: every CLI start imports this module
-
-    return importlib.metadata
+def parse_requirement(text: str) -> Requirement:
+    """Parse a requirement line (``packaging`` reads it; raises ``packaging``'s InvalidRequirement)."""
+    req = distributions.requirement(text)
+    specs = ",".join(sorted(str(s) for s in req.specifier))
+    return Requirement(req.name, tuple(sorted(req.extras)), specs, str(req.marker or ""))
 
 
 def soup_distributions(path: Sequence[str] | None = None) -> list[Any]:
     """Installed soup distributions (soup-core, ``soup-plugin-*``, and any with a ``soup`` entry point),
     the first of each name on the path, soup-core first."""
     found: dict[str, Any] = {}
-    for dist in _metadata().distributions(path=list(path) if path is not None else sys.path):
+    for dist in distributions.distributions(path):
         name = normalise(dist.metadata["Name"] or "")
         soup = name == "soup-core" or name.startswith("soup-plugin-") or any(
-            ep.group == "soup" for ep in dist.entry_points)
+            ep.group == distributions.ENTRY_POINT_GROUP for ep in dist.entry_points)
         if soup and name not in found:
             found[name] = dist
     return [found[n] for n in sorted(found, key=lambda n: (n != "soup-core", n))]
 
 
-def installed_version(name: str, path: Sequence[str] | None = None) -> str | None:
-    """The installed version of ``name`` on ``path`` (default: ``sys.path``), or None."""
-    for dist in _metadata().distributions(name=name, path=list(path) if path is not None else sys.path):
-        return str(dist.version)
-    return None
+installed_version = distributions.version_of
 
 
 def _editable(dist: Any) -> bool:
@@ -275,47 +96,47 @@ class DependencyCheck:
         return self.required and self.status in (MISSING, OUT_OF_RANGE)
 
 
-def _check(dependent: str, line: str, req: Requirement, required: bool, path: Sequence[str] | None,
-           use_packaging: bool | None) -> DependencyCheck:
+def _check(dependent: str, line: str, req: Requirement, required: bool, path: Sequence[str] | None
+           ) -> DependencyCheck:
     version = installed_version(req.name, path)
     if version is None:
         status = MISSING if required else OPTIONAL
-    elif req.specifier and not version_in(req.specifier, version, use_packaging=use_packaging):
+    elif req.specifier and not distributions.in_range(req.specifier, version):
         status = OUT_OF_RANGE
     else:
         status = OK
     return DependencyCheck(dependent, req.name, req.specifier, req.extras, required, version, status, line)
 
 
-def check_dependencies(
-    path: Sequence[str] | None = None, *, use_packaging: bool | None = None
-) -> list[DependencyCheck]:
+def check_dependencies(path: Sequence[str] | None = None) -> list[DependencyCheck]:
     """Every dependency the installed soup distributions declare, checked (see the module docstring for
     which ones are required)."""
     dists = soup_distributions(path)
     soup_names = {normalise(d.metadata["Name"]) for d in dists}
     declared: list[tuple[str, str, Requirement]] = []  # (dependent dist, line, requirement)
+    offered: dict[str, list[str]] = {}  # dependent dist -> the extras it declares
     for dist in dists:
+        offered[str(dist.metadata["Name"])] = list(dist.metadata.get_all("Provides-Extra") or ())
         for line in dist.requires or []:
-            declared.append((str(dist.metadata["Name"]), line, parse_requirement(line, use_packaging=use_packaging)))
+            declared.append((str(dist.metadata["Name"]), line, parse_requirement(line)))
     # extras that installed soup distributions ask of each other (soup-core[train]) or of others (mlx[cpu])
     wanted: dict[str, set[str]] = {}
     for _, _, req in declared:
-        if req.extras and marker_applies(req.marker, use_packaging=use_packaging):
+        if req.extras and distributions.marker_holds(req.marker):
             wanted.setdefault(normalise(req.name), set()).update(req.extras)
     checks: list[DependencyCheck] = []
     for dependent, line, req in declared:
         active = sorted(wanted.get(normalise(dependent), ()))
-        if marker_applies(req.marker, use_packaging=use_packaging):
-            checks.append(_check(dependent, line, req, True, path, use_packaging))
+        if distributions.marker_holds(req.marker):
+            checks.append(_check(dependent, line, req, True, path))
             continue
-        extras = [e for e in active if marker_applies(req.marker, e, use_packaging=use_packaging)]
+        extras = [e for e in active if distributions.marker_holds(req.marker, e)]
         if extras:
-            checks.append(_check(f"{dependent}[{','.join(extras)}]", line, req, True, path, use_packaging))
+            checks.append(_check(f"{dependent}[{','.join(extras)}]", line, req, True, path))
             continue
-        optional = re.findall(r"extra\s*==\s*['\"]([^'\"]+)['\"]", req.marker)
-        if optional and any(marker_applies(req.marker, e, use_packaging=use_packaging) for e in optional):
-            checks.append(_check(f"{dependent}[{','.join(optional)}]", line, req, False, path, use_packaging))
+        optional = [e for e in offered[dependent] if distributions.marker_holds(req.marker, e)]
+        if optional:
+            checks.append(_check(f"{dependent}[{','.join(optional)}]", line, req, False, path))
         else:
             checks.append(DependencyCheck(dependent, req.name, req.specifier, req.extras, False,
                                           installed_version(req.name, path), NOT_APPLICABLE, line))
@@ -323,17 +144,17 @@ def check_dependencies(
     for project, extras in sorted(wanted.items()):
         if project in soup_names:
             continue
-        found = list(_metadata().distributions(name=project, path=list(path) if path is not None else sys.path))
+        found = list(distributions.distributions(path, project))
         if not found:
             continue
         for line in found[0].requires or []:
-            req = parse_requirement(line, use_packaging=use_packaging)
-            if marker_applies(req.marker, use_packaging=use_packaging):
+            req = parse_requirement(line)
+            if distributions.marker_holds(req.marker):
                 continue  # its plain dependencies are pip's business, not soup's
-            hits = [e for e in sorted(extras) if marker_applies(req.marker, e, use_packaging=use_packaging)]
+            hits = [e for e in sorted(extras) if distributions.marker_holds(req.marker, e)]
             if hits:
                 dependent = f"{found[0].metadata['Name']}[{','.join(hits)}]"
-                checks.append(_check(dependent, line, req, True, path, use_packaging))
+                checks.append(_check(dependent, line, req, True, path))
     return checks
 
 

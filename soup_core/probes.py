@@ -1,4 +1,4 @@
-"""Helpers for writing capability probes (DESIGN.md §3).
+"""Helpers for writing capability probes (docs/plugins.md, "Capability probes").
 
 Cheap helpers (:func:`distribution`, :func:`module_findable`, :func:`platform_is`) never import the library
 they ask about. Deep helpers (:func:`accepts`, :func:`has_attribute`) ask the installed object itself —
@@ -7,53 +7,19 @@ a constructor's signature, an attribute — never a version number.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from soup_core import distributions
 from soup_core.contracts import ProbeResult
-
-
-def _normalise(name: str) -> str:
-    return name.lower().replace("-", "_").replace(".", "_")
-
-
-_versions: dict[str, str] | None = None
-
-
-def _installed_versions() -> dict[str, str]:
-    """Normalised distribution name -> version, read from ``*.dist-info`` folder names on ``sys.path``
-    (first one wins, as importlib.metadata does) — without importing importlib.metadata, whose start-up
-    cost every command would pay through the cheap probes."""
-    global _versions
-    if _versions is None:
-        found: dict[str, str] = {}
-        for entry in sys.path:
-            try:
-                names = os.listdir(entry or ".")
-            except OSError:
-                continue
-            for folder in names:
-                if folder.endswith(".dist-info"):
-                    dist, _, version = folder[: -len(".dist-info")].partition("-")
-                    found.setdefault(_normalise(dist), version)
-        _versions = found
-    return _versions
 
 
 def distribution_version(name: str) -> str | None:
     """The installed version of a distribution, or None when it is not installed."""
-    version = _installed_versions().get(_normalise(name))
-    if version:
-        return version
-    import importlib.metadata  # egg-info and other layouts: ask the slow, thorough way
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return distributions.version_of(name)
 
 
 def distribution(name: str, *, fix: str | None = None) -> ProbeResult:
@@ -82,36 +48,43 @@ def platform_is(*platforms: str) -> ProbeResult:
     return ProbeResult(False, f"needs {' or '.join(platforms)}, this is {sys.platform}")
 
 
-def _init_parameters(cls: Any) -> set[str] | None:
-    """Keyword names a class's constructor accepts, walking the MRO past ``*args, **kwargs`` shims."""
+def _parameters(obj: Any) -> tuple[set[str], bool]:
+    """The keyword names ``obj`` accepts, and whether it takes ``**kwargs`` as well. A class answers for its
+    constructor, walking the MRO past ``*args, **kwargs`` shims (dataclass configs included); a function or
+    method for itself."""
     import inspect
 
-    for klass in getattr(cls, "__mro__", (cls,)):
-        init = klass.__dict__.get("__init__") if isinstance(klass, type) else None
-        if init is None:
-            continue
+    if isinstance(obj, type):
+        inits = [k.__dict__["__init__"] for k in obj.__mro__ if "__init__" in k.__dict__]
+    elif callable(obj) and (inspect.isroutine(obj) or isinstance(obj, functools.partial)):
+        inits = [obj]
+    else:
+        raise TypeError(f"accepts() asks a class or a function, not {type(obj).__name__}")
+    for init in inits:
         try:
             params = inspect.signature(init).parameters
         except (TypeError, ValueError):
-            return None
-        names = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        passthrough = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        if names - {"self"} or not passthrough:
-            return names - {"self"}
-    return None
+            return set(), False
+        names = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)}
+        var_keyword = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        if names - {"self", "cls"} or not var_keyword or len(inits) == 1:
+            return names - {"self", "cls"}, var_keyword and not isinstance(obj, type)
+    return set(), False
 
 
-def accepts(cls: Any, keyword: str) -> bool:
-    """Deep: does ``cls(...)`` accept ``keyword``? Asks the installed class's signature (dataclass
-    configs included), never its version."""
-    names = _init_parameters(cls)
-    return names is not None and keyword in names
+def accepts(obj: Any, *names: str) -> bool:
+    """Deep: does ``obj`` accept every keyword in ``names``? ``obj`` is a class (asked about its
+    constructor: ``accepts(GRPOConfig, "loss_type")``) or a function or method (``accepts(SFTTrainer.compute_loss,
+    "num_items_in_batch")``; one that takes ``**kwargs`` accepts any name). Asks the installed object's
+    signature, never its version; anything else raises ``TypeError``."""
+    known, anything = _parameters(obj)
+    return anything or all(name in known for name in names)
 
 
 def supported_kwargs(cls: Any, wanted: dict[str, Any]) -> dict[str, Any]:
     """The subset of ``wanted`` that ``cls`` accepts."""
-    names = _init_parameters(cls) or set()
-    return {k: v for k, v in wanted.items() if k in names}
+    known, anything = _parameters(cls)
+    return {k: v for k, v in wanted.items() if anything or k in known}
 
 
 def has_attribute(obj: Any, dotted: str) -> bool:

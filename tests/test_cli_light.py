@@ -73,3 +73,12 @@ def test_help_with_every_installed_plugin_imports_no_schema_library(tmp_path: Pa
 
 def test_control_the_schema_probe_sees_pydantic(tmp_path: Path) -> None:
     assert "pydantic" in heavy_imports(["--help"], tmp_path, pre_import="pydantic", heavy=SCHEMA_LIBRARIES)
+
+
+def test_help_imports_no_packaging(tmp_path: Path) -> None:
+    # reading the plugins' soup-core ranges needs packaging; the top-level help lists commands without them
+    assert heavy_imports(["--help"], tmp_path, heavy=("packaging",)) == []
+
+
+def test_control_the_packaging_probe_sees_it(tmp_path: Path) -> None:
+    assert heavy_imports(["plugins", "list"], tmp_path, heavy=("packaging",)) == ["packaging"]

@@ -62,12 +62,14 @@ def _version_line() -> str:
     return f"soup-core {__version__}\nplugins: {', '.join(parts) if parts else 'none'}"
 
 
-def build_app() -> typer.Typer:
-    """Build the typer app from the loaded plugin set's commands (each built when it is used)."""
+def build_app(*, help_only: bool = False) -> typer.Typer:
+    """Build the typer app from the loaded plugin set's commands (each built when it is used). For the
+    top-level help alone (``help_only``) the plugins' soup-core ranges are not read: that needs
+    ``packaging``, which ``soup --help`` must not import; every command checks them."""
     from soup_core.cli.lazy_group import group_class
     from soup_core.plugins import load_plugins
 
-    plugins = load_plugins()
+    plugins = load_plugins(check_ranges=not help_only)
     app = typer.Typer(
         cls=group_class(dict(plugins.commands.items())),
         name="soup",
@@ -113,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(1) from None
         return
     try:
-        app = build_app()
+        app = build_app(help_only=not args or args[0] in ("-h", "--help"))
     except manager.PluginLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -6,7 +6,10 @@ Only names are kept here; nothing is imported from any plugin (the core never de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from fnmatch import fnmatchcase
+
+from soup_core.distributions import canonical, version_of
 
 # distribution -> the short plugin name (its entry-point name)
 PLUGIN_NAMES: dict[str, str] = {
@@ -60,27 +63,26 @@ def install_command(distribution: str) -> str:
     return f"pip install {distribution}"
 
 
-def is_installed(distribution: str) -> bool:
-    """Whether ``distribution`` is installed (metadata only: nothing is imported)."""
-    from importlib import metadata
+def absent_reason(distribution: str, not_loaded: Sequence[tuple[str, str, str]] = ()) -> tuple[str, str | None]:
+    """Why a first-party plugin's key, task or backend is not available: (phrase, install command or None).
 
-    try:
-        metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def absent_reason(distribution: str) -> tuple[str, str | None]:
-    """Why a first-party plugin's key is not available: (phrase, install command or None).
-
-    A plugin that is installed but not loaded (disabled, or failed to load) needs no install command.
+    ``not_loaded`` holds the installed plugins that are disabled or failed, as (plugin, distribution, why):
+    one from ``distribution`` is named with its reason, and needs no install command.
     """
+    for plugin, dist, why in not_loaded:
+        if canonical(dist) == canonical(distribution):
+            return f"plugin '{plugin}' ({dist}), which is installed but not loaded ({why})", None
     name = PLUGIN_NAMES.get(distribution, distribution)
-    if is_installed(distribution):
-        return (
-            f"plugin '{name}' ({distribution}), which is installed but not loaded (disabled, or it "
-            f"failed to load: see `soup plugins list`)",
-            None,
-        )
+    if version_of(distribution) is not None:
+        return (f"plugin '{name}' ({distribution}), which is installed but not loaded (see `soup plugins list`)",
+                None)
     return f"plugin '{name}' ({distribution}), which is not installed", install_command(distribution)
+
+
+def not_loaded_note(not_loaded: Sequence[tuple[str, str, str]]) -> str:
+    """A note naming the installed plugins that are disabled or failed, any of which may provide a name the
+    config uses ("" when every installed plugin is loaded). They are not imported to find out."""
+    if not not_loaded:
+        return ""
+    shown = "; ".join(f"plugin '{plugin}' ({dist}): {why}" for plugin, dist, why in not_loaded)
+    return f" — installed but not loaded, and may provide it: {shown}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, create_model, field_validator
@@ -183,6 +183,7 @@ class ConfigSchema:
         backends: Mapping[str, type] | None = None,
         tasks: Mapping[str, type] | None = None,
         support_reasons: Mapping[tuple[str, str], Mapping[str, str]] | None = None,
+        not_loaded: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         self.fields: dict[str, ConfigField] = dict(fields or {})
         self.field_owners: dict[str, str] = dict(field_owners or {})
@@ -194,6 +195,8 @@ class ConfigSchema:
         self.support_reasons: dict[tuple[str, str], dict[str, str]] = {
             pair: dict(reasons) for pair, reasons in (support_reasons or {}).items()
         }
+        #: installed plugins that are disabled or failed: (plugin, distribution, why), for messages
+        self.not_loaded = list(not_loaded)
         self._check_paths()
         self._model: type[SoupConfig] | None = None
         self._index: dict[str, tuple[Any, type[BaseModel] | None]] | None = None
@@ -205,7 +208,9 @@ class ConfigSchema:
         fields = plugins.config_fields
         owners = {path: plugins.config_fields.owner(path) for path in fields}
         reasons = getattr(plugins, "support_reasons", None)
-        return cls(fields, owners, plugins.support, plugins.backends, plugins.tasks, reasons)
+        absent = [(p.name, p.distribution, f"{p.status}: {p.reason}" if p.status == "failed" else p.reason)
+                  for p in (plugins.not_loaded() if hasattr(plugins, "not_loaded") else ())]
+        return cls(fields, owners, plugins.support, plugins.backends, plugins.tasks, reasons, absent)
 
     def owner(self, path: str) -> str:
         return self.field_owners.get(path, "<unknown plugin>")

@@ -328,7 +328,7 @@ def _unknown_key(path: str, keys: list[str], schema: ConfigSchema, line: int | N
     prefix, key = ".".join(keys[:-1]), keys[-1]
     dist = known.distribution_for_path(path)
     if dist is not None:
-        reason, install = known.absent_reason(dist)
+        reason, install = known.absent_reason(dist, schema.not_loaded)
         return ConfigIssue(path, f"unknown key — it comes from {reason}", install=install, line=line, column=column)
     suggestion = _suggest(prefix, key, schema)
     if suggestion is None:
@@ -336,10 +336,11 @@ def _unknown_key(path: str, keys: list[str], schema: ConfigSchema, line: int | N
         exact = [p for p in known.KNOWN_FIELDS if "*" not in p]
         close = difflib.get_close_matches(path, exact, n=1, cutoff=0.8)
         if close:
-            reason, install = known.absent_reason(known.KNOWN_FIELDS[close[0]])
+            reason, install = known.absent_reason(known.KNOWN_FIELDS[close[0]], schema.not_loaded)
             message = f"unknown key — did you mean {close[0]}? That key comes from {reason}"
             return ConfigIssue(path, message, suggestion=None, install=install, line=line, column=column)
-    return ConfigIssue(path, "unknown key", suggestion=suggestion, line=line, column=column)
+    note = known.not_loaded_note(schema.not_loaded) if suggestion is None else ""
+    return ConfigIssue(path, "unknown key" + note, suggestion=suggestion, line=line, column=column)
 
 
 def _suggest(prefix: str, key: str, schema: ConfigSchema) -> str | None:
@@ -365,17 +366,18 @@ def _suggest(prefix: str, key: str, schema: ConfigSchema) -> str | None:
 # ------------------------------------------------------------------ backend, task and support table
 
 
-def _name_issue(kind: str, value: str, registered: list[str], first_party: Mapping[str, str]) -> ConfigIssue:
+def _name_issue(kind: str, value: str, registered: list[str], first_party: Mapping[str, str],
+                schema: ConfigSchema) -> ConfigIssue:
     dist = first_party.get(value)
     if dist is not None:
-        reason, install = known.absent_reason(dist)
+        reason, install = known.absent_reason(dist, schema.not_loaded)
         return ConfigIssue(kind, f"{kind} '{value}' comes from {reason}", install=install)
     names = ", ".join(sorted(registered)) if registered else f"none (no {kind} is registered)"
     message = f"unknown {kind} '{value}' — registered {kind}s: {names}"
     close = difflib.get_close_matches(value, [*registered, *first_party], n=1, cutoff=0.6)
     if close:
         message += f" — did you mean '{close[0]}'?"
-    return ConfigIssue(kind, message)
+    return ConfigIssue(kind, message + known.not_loaded_note(schema.not_loaded))
 
 
 def _at(issue: ConfigIssue, positions: Positions) -> ConfigIssue:
@@ -395,9 +397,10 @@ def _registry_issues(
         return issues
     backend_ok, task_ok = backend in schema.backends, task in schema.tasks
     if not backend_ok:
-        issues.append(_at(_name_issue("backend", backend, list(schema.backends), known.KNOWN_BACKENDS), positions))
+        issue = _name_issue("backend", backend, list(schema.backends), known.KNOWN_BACKENDS, schema)
+        issues.append(_at(issue, positions))
     if not task_ok:
-        issues.append(_at(_name_issue("task", task, list(schema.tasks), known.KNOWN_TASKS), positions))
+        issues.append(_at(_name_issue("task", task, list(schema.tasks), known.KNOWN_TASKS, schema), positions))
     if not (backend_ok and task_ok):
         return issues
 

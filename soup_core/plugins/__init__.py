@@ -1,12 +1,8 @@
 """Plugin discovery, selection and registries."""
 
+from soup_core.capabilities import DISABLED, FAILED, OK, UNAVAILABLE, PluginInfo
 from soup_core.plugins.manager import (
     BUILTINS,
-    DISABLED,
-    FAILED,
-    OK,
-    UNAVAILABLE,
-    PluginInfo,
     PluginLoadError,
     PluginSelectionError,
     PluginSet,
@@ -16,19 +12,6 @@ from soup_core.plugins.manager import (
 )
 from soup_core.plugins.registry import DuplicateNameError, Registry
 
-__all__ = [
-    "BUILTINS",
-    "DISABLED",
-    "FAILED",
-    "OK",
-    "UNAVAILABLE",
-    "DuplicateNameError",
-    "PluginInfo",
-    "PluginLoadError",
-    "PluginSelectionError",
-    "PluginSet",
-    "Registry",
-    "build_plugin_set",
-    "load_plugins",
-    "reset_cache",
-]
+__all__ = ["BUILTINS", "DISABLED", "FAILED", "OK", "UNAVAILABLE", "DuplicateNameError", "PluginInfo",
+           "PluginLoadError", "PluginSelectionError", "PluginSet", "Registry", "build_plugin_set", "load_plugins",
+           "reset_cache"]
