@@ -28,8 +28,8 @@ def _per_row(torch, logits, labels):
     return sums, counts
 
 
-def test_row_statistics_match_a_row_by_row_computation(torch1) -> None:
-    torch = torch1
+def test_row_statistics_match_a_row_by_row_computation(torch_one_thread) -> None:
+    torch = torch_one_thread
     logits, labels = _batch(torch)
     sums, counts = row_statistics(logits, labels)
     want_sums, want_counts = _per_row(torch, logits, labels)
@@ -37,8 +37,8 @@ def test_row_statistics_match_a_row_by_row_computation(torch1) -> None:
     assert torch.allclose(sums, torch.stack(want_sums), rtol=1e-6, atol=0)
 
 
-def test_tokens_reduction_is_the_closed_form(torch1) -> None:
-    torch = torch1
+def test_tokens_reduction_is_the_closed_form(torch_one_thread) -> None:
+    torch = torch_one_thread
     logits, labels = _batch(torch)
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0])
     sums, counts = _per_row(torch, logits, labels)
@@ -50,8 +50,8 @@ def test_tokens_reduction_is_the_closed_form(torch1) -> None:
     assert not torch.allclose(control, want, rtol=1e-6, atol=0)  # the weights do move the loss
 
 
-def test_rows_reduction_is_the_closed_form(torch1) -> None:
-    torch = torch1
+def test_rows_reduction_is_the_closed_form(torch_one_thread) -> None:
+    torch = torch_one_thread
     logits, labels = _batch(torch)
     weights = torch.tensor([0.5, 2.0, 1.0, 3.0])
     sums, counts = _per_row(torch, logits, labels)
@@ -62,8 +62,8 @@ def test_rows_reduction_is_the_closed_form(torch1) -> None:
     assert not torch.allclose(tokens, want, rtol=1e-6, atol=0)
 
 
-def test_all_weights_one_is_the_models_own_loss(torch1, tiny_model) -> None:
-    torch = torch1
+def test_all_weights_one_is_the_models_own_loss(torch_one_thread, tiny_model) -> None:
+    torch = torch_one_thread
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -80,8 +80,8 @@ def test_all_weights_one_is_the_models_own_loss(torch1, tiny_model) -> None:
 
 
 @pytest.mark.parametrize("reduction", ["tokens", "rows"])
-def test_a_row_of_weight_zero_counts_for_nothing_bit_for_bit(torch1, reduction) -> None:
-    torch = torch1
+def test_a_row_of_weight_zero_counts_for_nothing_bit_for_bit(torch_one_thread, reduction) -> None:
+    torch = torch_one_thread
 
     def loss_and_grad(labels, weights):
         logits, _ = _batch(torch)
@@ -102,15 +102,15 @@ def test_a_row_of_weight_zero_counts_for_nothing_bit_for_bit(torch1, reduction) 
     assert not torch.equal(loss_c, loss_d)
 
 
-def test_all_zero_weights_give_zero_loss_and_no_gradient(torch1) -> None:
-    torch = torch1
+def test_all_zero_weights_give_zero_loss_and_no_gradient(torch_one_thread) -> None:
+    torch = torch_one_thread
     logits, labels = _batch(torch)
     loss = weighted_loss(logits, labels, torch.zeros(4))
     loss.backward()
     assert loss.item() == 0.0 and torch.count_nonzero(logits.grad) == 0
 
 
-def test_unknown_reduction_is_refused(torch1) -> None:
-    logits, labels = _batch(torch1)
+def test_unknown_reduction_is_refused(torch_one_thread) -> None:
+    logits, labels = _batch(torch_one_thread)
     with pytest.raises(ValueError, match="unknown reduction 'mean'"):
-        weighted_loss(logits, labels, torch1.ones(4), reduction="mean")
+        weighted_loss(logits, labels, torch_one_thread.ones(4), reduction="mean")
