@@ -59,6 +59,7 @@ _LAZY = {
     # the transformers backend's seams, for task plugins (import torch/transformers/trl when first used)
     "HONOURED_FIELDS": "soup_core.backends.transformers.backend",
     "SoupTrainerMixin": "soup_core.backends.transformers.trainer",
+    "SoupSFTTrainer": "soup_core.backends.transformers.trainer",
     "TrainerSetup": "soup_core.backends.transformers.trainer",
     "RowCollator": "soup_core.backends.transformers.trainer",
     "row_sums": "soup_core.backends.transformers.trainer",

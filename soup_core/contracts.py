@@ -112,6 +112,10 @@ class Task:
       them the user may leave out.
     - ``formats``: the data formats it accepts.
     - ``capabilities``: what it offers other plugins (``per_row_losses``, ``streamable``, ...).
+
+    A task for the transformers backend also defines ``encode(rows, tokenizer, config)``, which tokenises
+    its rows; ``datasets_for(task, setup)`` calls it (``docs/plugins.md``, "The trainer seam", says what it
+    returns).
     """
 
     name: ClassVar[str] = ""
@@ -122,7 +126,8 @@ class Task:
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
     def build(self, backend: Backend, context: Any) -> Any:  # pragma: no cover - interface
-        """Build the backend-specific trainer for this task. ``context`` is the backend's run context."""
+        """Build the backend-specific trainer for this task. ``context`` is what the backend passes: for
+        transformers a ``TrainerSetup``, from which ``SoupTrainerMixin.from_setup`` builds the trainer."""
         raise NotImplementedError
 
 

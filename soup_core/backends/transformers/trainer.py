@@ -14,6 +14,9 @@ Seams used (all public or documented for subclassing in transformers/trl):
 
 trl's own dataset preparation is skipped (``skip_prepare_dataset``): it shuffles, and it drops rows left
 without supervised tokens, which would break the row index. The task tokenises instead.
+
+A task builds its trainer with :meth:`SoupTrainerMixin.from_setup` (see ``docs/plugins.md``, "The trainer
+seam").
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,7 +44,17 @@ IGNORE = -100
 
 @dataclass
 class TrainerSetup:
-    """What a task needs to build its trainer on the transformers backend."""
+    """What the transformers backend hands ``Task.build(backend, setup)``: the run's set-up, from which
+    :meth:`SoupTrainerMixin.from_setup` builds the task's trainer.
+
+    - ``ctx``: the run's context (config, training list, run events, rank); ``ctx.extra["data"]`` maps
+      every data key the task declares (``forget``, ``retain``, ...) to its training list.
+    - ``model``: the model to train, LoRA adapter already applied (unless ``training.lora.r: 0``).
+    - ``tokenizer``: its tokenizer; ``pad_token`` is always set.
+    - ``args``: the ``trl.SFTConfig`` built from the config (batch size, accumulation, schedule, ...).
+    - ``packing``: ``data.packing``; ``data_seed``: ``data.seed`` (the row order's seed).
+    - ``progress``: the progress display on rank 0, else None.
+    """
 
     ctx: Any  # soup_core.run_context.RunContext
     model: Any
@@ -49,6 +63,12 @@ class TrainerSetup:
     packing: bool
     data_seed: int
     progress: Any = None  # a ProgressDisplay (rank 0) or None
+
+    @property
+    def config(self) -> Any:
+        """The run's validated config. A plugin's own field ``training.my_knob`` (declared with
+        ``ConfigField``) is ``setup.config.training.my_knob``, already validated and defaulted."""
+        return self.ctx.config
 
 
 # ------------------------------------------------------------------------------------------ row order
@@ -83,17 +103,23 @@ class RowOrderBatchSampler:
 class RowCollator:
     """Pads (or, with packing, concatenates) encoded rows with trl's collator and keeps their rows.
 
-    Adds ``row_index`` (the rows of the micro-batch, in order) and, when packing, ``token_slot``: for every
-    token of the packed sequence, the position in ``row_index`` of the row it came from.
+    Reads each encoded row's ``input_ids``, ``labels`` and ``row_index``; other keys are left out of the
+    batch unless named in ``row_keys``. Adds ``row_index`` (the rows of the micro-batch, in order), each of
+    ``row_keys`` as a tensor with one value per row (a number each row's ``encode`` output carries, such
+    as a loss weight), and, when packing, ``token_slot``: for every token of the packed sequence, the
+    position in ``row_index`` of the row it came from.
     """
 
-    def __init__(self, pad_token_id: int, packing: bool) -> None:
+    def __init__(self, pad_token_id: int, packing: bool, row_keys: Sequence[str] = ()) -> None:
         self.packing = packing
+        self.row_keys = tuple(row_keys)
         self.inner = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=packing)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.inner([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
         batch["row_index"] = torch.tensor([int(e["row_index"]) for e in examples], dtype=torch.long)
+        for key in self.row_keys:
+            batch[key] = torch.tensor([e[key] for e in examples])
         if self.packing:
             lengths = torch.tensor([len(e["input_ids"]) for e in examples], dtype=torch.long)
             batch["token_slot"] = torch.repeat_interleave(torch.arange(len(examples)), lengths)[None]
@@ -134,7 +160,18 @@ def row_sums(
 
 
 def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
-    """The encoded training (and validation, if any) rows as ``datasets.Dataset``s, row index kept."""
+    """The task's training rows and validation rows (None without ``data.val_split``), encoded by the task,
+    as ``datasets.Dataset``s for :meth:`SoupTrainerMixin.from_setup`.
+
+    Calls ``task.encode(rows, tokenizer, config)`` once for the training rows and once for the validation
+    rows: ``rows`` are the normalised examples of the task's training list, in order; ``config`` is the
+    run's validated config. ``encode`` returns one dict per row, in the same order, with ``input_ids`` and
+    ``labels`` (lists of ints, ``-100`` where a token is not trained) and ``row_index`` (the row's position
+    in ``rows``). Any other key is kept in the dataset and reaches the collator, which drops it unless it
+    is one of :class:`RowCollator`'s ``row_keys``; in the batch, a task's ``soup_token_loss`` (or its own
+    ``compute_loss``) reads it. ``soup_row_losses`` never sees it: per-row losses are reported for
+    ``row_index``.
+    """
     from datasets import Dataset
 
     config = setup.ctx.config
@@ -151,14 +188,59 @@ def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
 class SoupTrainerMixin:
     """Row order, per-row statistics, run events and controller actions for a transformers Trainer.
 
-    Put it before the trainer class in the bases (``class T(SoupTrainerMixin, SFTTrainer)``) and call
-    :meth:`soup_attach` once after construction.
+    Put it before the trainer class in the bases (``class T(SoupTrainerMixin, SFTTrainer)``; or subclass
+    :class:`SoupSFTTrainer`) and build the trainer with :meth:`from_setup`. Seams a task overrides:
+    :meth:`soup_token_loss` (its objective, per token), :meth:`soup_row_losses` (per-row losses, when it
+    overrides ``compute_loss`` itself), :meth:`soup_step_metrics` and ``soup_coefficients``.
     """
 
     #: Names a controller may change with SetCoefficient. SFT has none; other tasks list theirs.
     soup_coefficients: tuple[str, ...] = ()
 
+    @classmethod
+    def from_setup(
+        cls,
+        setup: TrainerSetup,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        *,
+        collator: Any = None,
+        **trainer_kwargs: Any,
+    ) -> Any:
+        """Build this trainer for a run: what a task's ``build(backend, setup)`` returns.
+
+        - ``setup``: the :class:`TrainerSetup` the backend passed to ``build``; its model, tokenizer
+          (``processing_class``) and training arguments are the trainer's.
+        - ``train_dataset``, ``eval_dataset``: the encoded rows, usually ``datasets_for(task, setup)``;
+          ``eval_dataset`` None when there are no validation rows.
+        - ``collator``: what turns a micro-batch of encoded rows into tensors; default
+          ``RowCollator(tokenizer.pad_token_id, packing=setup.packing)``. Give a ``RowCollator`` with
+          ``row_keys`` to bring per-row values of ``encode``'s output into the batch.
+        - ``trainer_kwargs``: any other argument of the trainer class's constructor (``callbacks``,
+          ``optimizers``, ...). ``model``, ``args``, ``processing_class``, ``data_collator`` and the
+          datasets come from the arguments above.
+
+        The trainer is attached to the run (row order, per-row losses, events, controllers) before it is
+        returned. A subclass with state of its own overrides this classmethod, calls
+        ``super().from_setup(...)`` and sets that state on the trainer it returns.
+        """
+        if collator is None:
+            collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
+        trainer = cls(
+            model=setup.model,
+            args=setup.args,
+            data_collator=collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=setup.tokenizer,
+            **trainer_kwargs,
+        )
+        trainer.soup_attach(setup)
+        return trainer
+
     def soup_attach(self, setup: TrainerSetup) -> None:
+        """Attach a constructed trainer to the run; :meth:`from_setup` calls it (call it yourself only for
+        a trainer built another way)."""
         self._soup = setup
         self._soup_capture = False
         self._soup_output: Any = None
@@ -171,6 +253,7 @@ class SoupTrainerMixin:
         self.soup_last_metrics: dict[str, float] = {}
         self.soup_rollbacks: list[str] = []
         self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
+        self._soup_own_loss = type(self).soup_token_loss is not SoupTrainerMixin.soup_token_loss
 
     @property
     def soup_tokens_seen(self) -> int:
@@ -223,9 +306,12 @@ class SoupTrainerMixin:
         want_rows = training and rows is not None and self._soup.ctx.events.has_recorders
         self._soup_capture, self._soup_output = want_rows, None
         try:
-            result = super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
+            if self._soup_own_loss:
+                result = self._soup_token_objective(model, inputs, return_outputs, num_items_in_batch)
+            else:
+                result = super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
         finally:
             self._soup_capture = False
         if training:
@@ -242,6 +328,44 @@ class SoupTrainerMixin:
                     raise RuntimeError("per-row statistics: the model's forward output was not seen")
                 self._soup_emit_micro_batch(step, output, rows, slots, inputs.get("labels"))
         return result
+
+    def soup_token_loss(self, outputs: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """The objective, per supervised token: override it to train something other than cross-entropy.
+
+        For trainers over trl's ``SFTTrainer`` (its fused LM head). ``outputs`` is the model's forward
+        output on the micro-batch: ``outputs.log_probs`` holds each supervised token's log-probability
+        (shape ``[rows, sequence - 1]``, 0 where ``outputs.label_mask`` is False); ``inputs`` is the batch
+        (``input_ids``, ``labels``, and the collator's ``row_keys``). Return a tensor of that shape,
+        differentiable through ``log_probs``.
+
+        The trainer then does the rest, as for cross-entropy: the loss is the sum over tokens divided by
+        the optimizer step's supervised tokens (the Trainer's ``num_items_in_batch``; the micro-batch's
+        own when it has none), so gradient accumulation and several processes need nothing from the
+        task; and each row's loss in the run events is its tokens' mean of these values, so ``soup
+        rewind`` ranks rows by the loss being trained. Not overridden: trl's own loss is trained.
+        """
+        return -outputs.log_probs
+
+    def _soup_token_objective(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> Any:
+        row_keys = getattr(self.data_collator, "row_keys", ())
+        model_inputs = {k: v for k, v in inputs.items() if k not in row_keys}
+        outputs = model(**model_inputs, fused_lm_head=True, use_cache=False)
+        mask = outputs.label_mask
+        per_token = self.soup_token_loss(outputs, inputs).masked_fill(~mask, 0.0)
+        tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = per_token.sum() / torch.as_tensor(tokens, device=per_token.device).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # num_items_in_batch counts every process's tokens, and DDP averages the gradients
+            loss = loss * self.accelerator.num_processes
+        if self._soup_capture:  # the per-row losses are this objective's, from this forward pass
+            self._soup_output = SimpleNamespace(log_probs=-per_token.detach(), label_mask=mask)
+        if not return_outputs:
+            return loss
+        with torch.no_grad():  # evaluation asks for logits, which the fused head does not build
+            outputs = model(**{k: v for k, v in model_inputs.items() if k != "labels"}, use_cache=False)
+        return loss, outputs
 
     def soup_row_losses(
         self, output: Any, n_rows: int, labels: Any, token_slot: Any
@@ -366,21 +490,8 @@ class SoupTrainerMixin:
 
 
 class SoupSFTTrainer(SoupTrainerMixin, SFTTrainer):
-    """trl's SFTTrainer with the core's row order, per-row statistics and run events."""
-
-    @classmethod
-    def from_setup(cls, setup: TrainerSetup, train_dataset: Any, eval_dataset: Any) -> SoupSFTTrainer:
-        collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
-        trainer = cls(
-            model=setup.model,
-            args=setup.args,
-            data_collator=collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=setup.tokenizer,
-        )
-        trainer.soup_attach(setup)
-        return trainer
+    """trl's SFTTrainer with the core's row order, per-row statistics and run events: the sft task's
+    trainer, and the class a task with a per-token objective subclasses (override ``soup_token_loss``)."""
 
 
 class EvalMetricsCallback(TrainerCallback):
