@@ -113,7 +113,7 @@ def _trainer_seams() -> ProbeResult:
             "distillation loss could be scaled twice",
             "pip install 'transformers>=5.24,<6'",
         )
-    for attr in ("soup_row_losses", "soup_step_metrics", "soup_attach"):
+    for attr in ("soup_row_losses", "soup_step_metrics", "from_setup"):
         if not probes.has_attribute(SoupTrainerMixin, attr):
             return ProbeResult(
                 False, f"soup-core's SoupTrainerMixin has no {attr}", "pip install -U soup-core"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from soup_core import BackendError, RowCollator, SoupTrainerMixin, TrainerSetup
+from soup_core import BackendError, SoupTrainerMixin, TrainerSetup
 from soup_plugin_distill.bounds import TEMPERATURE_RANGE, WEIGHT_RANGE
 from soup_plugin_distill.loss import DIVERGENCES, distill_terms
 from soup_plugin_distill.teacher import check_tokenizer, check_vocabulary, load_teacher
@@ -149,9 +149,10 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
     soup_coefficients = ("distill_weight", "distill_temperature")
 
     @classmethod
-    def from_setup(cls, setup: TrainerSetup, train_dataset: Any, eval_dataset: Any) -> DistillTrainer:
-        """Build from the backend's set-up: load and check the teacher, then the trainer."""
-        config = setup.ctx.config
+    def from_setup(cls, setup: TrainerSetup, train_dataset: Any, eval_dataset: Any = None) -> DistillTrainer:
+        """Build from the backend's set-up: load and check the teacher, then the trainer (the core's
+        ``from_setup``), then set the distillation coefficients from the config."""
+        config = setup.config
         t = config.training
         name = t.teacher_model
         if not name:
@@ -171,21 +172,12 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
         check_vocabulary(
             setup.model, teacher, student_name=str(config.base), teacher_name=name, error=BackendError
         )
-        collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
-        trainer = cls(
-            model=setup.model,
-            args=setup.args,
-            data_collator=collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=setup.tokenizer,
-        )
+        trainer = super().from_setup(setup, train_dataset, eval_dataset)
         trainer._distill_reset()
         trainer.distill_divergence = str(t.distill_divergence)
         trainer.distill_weight = float(t.distill_weight)
         trainer.distill_temperature = float(t.distill_temperature)
         trainer.teacher = teacher.to(trainer.args.device)
-        trainer.soup_attach(setup)
         if setup.ctx.rank == 0:
             setup.ctx.report(
                 f"Distilling from {name} ({t.distill_divergence}, T={trainer.distill_temperature:g}, "

@@ -78,7 +78,8 @@ def _stack_installed() -> ProbeResult:
 
 def _trainer_seam() -> ProbeResult:
     """Deep: the installed trl's SFTTrainer.compute_loss takes the arguments this task's override takes
-    (the core's mixin calls it with ``return_outputs`` and ``num_items_in_batch``)."""
+    (the core's mixin calls it with ``return_outputs`` and ``num_items_in_batch``), and the Trainer reads
+    ``loss_is_scaled_for_ga`` (how the weighted loss asks to be divided by the accumulation steps)."""
     import inspect
 
     from trl import SFTTrainer
@@ -88,6 +89,10 @@ def _trainer_seam() -> ProbeResult:
     if missing:
         return ProbeResult(False, f"this trl's SFTTrainer.compute_loss has no {', '.join(missing)}",
                            "pip install -U trl")
+    if not probes.has_attribute(SFTTrainer, "loss_is_scaled_for_ga"):
+        return ProbeResult(False, "this transformers' Trainer has no loss_is_scaled_for_ga, so gradient "
+                           "accumulation would not divide the weighted loss",
+                           "pip install 'transformers>=5.24,<6'")
     return ProbeResult(True, detail="SFTTrainer.compute_loss seam present")
 
 

@@ -27,7 +27,8 @@ class WeightedSFTTask(Task):
     capabilities = frozenset({"per_row_losses"})
 
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
-        """Tokenise rows as the core's sft does and keep each row's (clipped) weight beside its tokens."""
+        """Tokenise rows as the core's sft does and keep each row's (clipped) weight beside its tokens (the
+        trainer's collator brings it into the batch as ``weight``)."""
         from soup_core import encode_rows
 
         encoded = encode_rows(
@@ -42,14 +43,14 @@ class WeightedSFTTask(Task):
             item["weight"] = min(weight, float(clip)) if clip is not None else weight
         return encoded
 
-    def build(self, backend: Backend, context: Any) -> Any:
-        """The trainer for ``backend`` (only ``transformers``); ``context`` is its ``TrainerSetup``."""
+    def build(self, backend: Backend, setup: Any) -> Any:
+        """The trainer for ``backend`` (only ``transformers``); ``setup`` is its ``TrainerSetup``."""
         if backend.name != "transformers":
             raise NotImplementedError(f"task {TASK} has no trainer for backend {backend.name!r}")
         from soup_core import datasets_for
 
         from soup_plugin_example.trainer import WeightedSFTTrainer
 
-        train_dataset, eval_dataset = datasets_for(self, context)
-        reduction = str(context.ctx.config.training.weighted_reduction)
-        return WeightedSFTTrainer.from_setup(context, train_dataset, eval_dataset, reduction=reduction)
+        train_dataset, eval_dataset = datasets_for(self, setup)  # calls encode() above
+        reduction = str(setup.config.training.weighted_reduction)  # this plugin's own config field
+        return WeightedSFTTrainer.from_setup(setup, train_dataset, eval_dataset, reduction=reduction)

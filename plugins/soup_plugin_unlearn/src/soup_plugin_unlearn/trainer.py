@@ -107,7 +107,7 @@ class UnlearnObjective(Trainer):
         self, params: dict[str, Any], retain: list[dict[str, Any]], *, seed: int, data_seed: int
     ) -> None:
         """Set the method and its coefficients, the retain rows and their schedule (once, after
-        :meth:`soup_attach`)."""
+        ``from_setup``)."""
         self.method: str = params["method"]
         self.alpha: float = float(params["alpha"])
         self.beta: float = float(params.get("beta", 1.0))
@@ -380,14 +380,11 @@ def build_trainer(task: Any, setup: Any, *, trainer_class: type = UnlearnTrainer
     # The Trainer's own evaluation would run this objective on held-out rows; the forget/retain
     # measurement (UnlearnEvalCallback) replaces it, held-out rows included.
     setup.args.eval_strategy = IntervalStrategy.NO
-    trainer = trainer_class(
-        model=setup.model,
-        args=setup.args,
-        data_collator=RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=False),
-        train_dataset=Dataset.from_list(train),
-        processing_class=setup.tokenizer,
+    trainer = trainer_class.from_setup(
+        setup,
+        Dataset.from_list(train),
+        collator=RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=False),
     )
-    trainer.soup_attach(setup)
     trainer.unlearn_attach(
         params, retain_rows, seed=int(config.training.seed), data_seed=int(setup.data_seed)
     )
