@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated SOUP_HOME (so no test touches ~/.soup) and a CLI runner."""
+"""Shared fixtures: the test kit (``soup_core.testing``), an isolated SOUP_HOME for every test (so no test
+touches ~/.soup), the bundled example log and a CLI runner."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+pytest_plugins = ["soup_core.testing"]
+
 HERE = Path(__file__).resolve().parent
 FIXTURE_LOG = HERE / "seed-example.jsonl"
 
 
 @pytest.fixture(autouse=True)
-def soup_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path_factory.mktemp("soup_home")
-    monkeypatch.setenv("SOUP_HOME", str(home))
+def _isolated(soup_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test has its own SOUP_HOME, and 100 columns: the width the expected output is written for."""
     monkeypatch.setenv("COLUMNS", "100")
-    return home
 
 
 @pytest.fixture

@@ -25,19 +25,14 @@ def _write_data(folder: Path, poisoned: int) -> None:
     (folder / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
-def test_rewind_names_the_poisoned_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    import torch
-
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def test_rewind_names_the_poisoned_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, torch_one_thread, tiny_model: Path
+) -> None:
     import soup_plugin_rewind.plugin as rewind_plugin
     from soup_core.cli.main import main
     from soup_core.testing import registered_plugin
-    from soup_core.tiny import tiny_model_dir
 
-    model = tiny_model_dir()
+    model = tiny_model
     monkeypatch.chdir(tmp_path)
     poisoned = 20
     _write_data(tmp_path, poisoned)
