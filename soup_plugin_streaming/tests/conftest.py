@@ -1,29 +1,23 @@
-"""Shared fixtures: tiny checkpoints for every supported architecture, built once per session in a temp
-folder, and a private SOUP_HOME so nothing is written under ~/.soup."""
+"""Shared fixtures: the test kit (``soup_core.testing``: ``torch_one_thread``, and a private ``soup_home`` for
+every test, so nothing is written under ~/.soup), and tiny checkpoints for every supported architecture, built
+once per session in a temp folder."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-# Two shared cores: one intra-op thread per process is faster than two fighting.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest_plugins = ["soup_core.testing"]
+
+
+@pytest.fixture(autouse=True)
+def _private_soup_home(soup_home: Path) -> None:
+    """Every test runs with its own SOUP_HOME."""
 
 
 @pytest.fixture(scope="session")
-def torch1():
-    import torch
-
-    torch.set_num_threads(1)
-    return torch
-
-
-@pytest.fixture(scope="session")
-def tokenizer(torch1):
+def tokenizer(torch_one_thread):
     from soup_core.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer(vocab_size=300)
@@ -55,8 +49,3 @@ def checkpoints(tmp_path_factory, tokenizer) -> dict[str, Path]:
 def store_root(tmp_path_factory) -> Path:
     """One store cache for the session (stores are keyed by their settings, so tests share them)."""
     return tmp_path_factory.mktemp("stores")
-
-
-@pytest.fixture(autouse=True)
-def _private_soup_home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SOUP_HOME", str(tmp_path_factory.getbasetemp() / "soup-home"))

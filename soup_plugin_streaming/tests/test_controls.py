@@ -14,7 +14,7 @@ def _pair(checkpoints, store_root, **kwargs):
     return s, r, runtime
 
 
-def test_a_single_perturbed_weight_is_detected(checkpoints, store_root, torch1):
+def test_a_single_perturbed_weight_is_detected(checkpoints, store_root, torch_one_thread):
     import torch
 
     from soup_plugin_streaming import testing
@@ -32,7 +32,7 @@ def test_a_single_perturbed_weight_is_detected(checkpoints, store_root, torch1):
     assert compared > 0 and differing, "a one-ulp change in one base weight went unnoticed by the gradients"
 
 
-def test_gradient_comparison_refuses_an_empty_set(checkpoints, torch1):
+def test_gradient_comparison_refuses_an_empty_set(checkpoints, torch_one_thread):
     from soup_plugin_streaming import testing
 
     base = testing.resident_base(checkpoints["llama"])
@@ -40,7 +40,7 @@ def test_gradient_comparison_refuses_an_empty_set(checkpoints, torch1):
         testing.compare_grads(base, base)
 
 
-def test_the_tripwire_fires_when_the_schedule_is_forced_wrong(checkpoints, store_root, torch1):
+def test_the_tripwire_fires_when_the_schedule_is_forced_wrong(checkpoints, store_root, torch_one_thread):
     from soup_plugin_streaming import testing
     from soup_plugin_streaming.errors import SchedulerBug
 
@@ -62,7 +62,7 @@ def test_the_tripwire_fires_when_the_schedule_is_forced_wrong(checkpoints, store
         loss.backward()
 
 
-def test_the_pool_refuses_one_buffer_and_checks_ownership(checkpoints, store_root, torch1):
+def test_the_pool_refuses_one_buffer_and_checks_ownership(checkpoints, store_root, torch_one_thread):
     from soup_plugin_streaming import testing
     from soup_plugin_streaming.errors import SchedulerBug
     from soup_plugin_streaming.pool import BufferPool
@@ -80,7 +80,7 @@ def test_the_pool_refuses_one_buffer_and_checks_ownership(checkpoints, store_roo
         pool.wait(0)
 
 
-def test_loads_per_step_with_three_buffers(checkpoints, store_root, torch1):
+def test_loads_per_step_with_three_buffers(checkpoints, store_root, torch_one_thread):
     from soup_plugin_streaming import testing
 
     s, _, runtime = _pair(checkpoints, store_root, buffers=3)

@@ -46,7 +46,7 @@ def _build(case, checkpoints, store_root, *, lora=None, seed=0):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_and_every_lora_gradient(case, checkpoints, store_root, torch1):
+def test_logits_and_every_lora_gradient(case, checkpoints, store_root, torch_one_thread):
     import torch
 
     from soup_plugin_streaming import testing
@@ -81,7 +81,7 @@ def test_logits_and_every_lora_gradient(case, checkpoints, store_root, torch1):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_ten_step_loss_curve_and_same_seed_twice(case, checkpoints, store_root, torch1):
+def test_ten_step_loss_curve_and_same_seed_twice(case, checkpoints, store_root, torch_one_thread):
     import torch
 
     from soup_plugin_streaming import testing

@@ -19,10 +19,10 @@ MiB = 2**20
 pytestmark = pytest.mark.skipif(not memwatch.status(), reason="reads /proc (Linux)")
 
 
-def test_a_window_reads_back_a_known_transient_allocation(torch1):
+def test_a_window_reads_back_a_known_transient_allocation(torch_one_thread):
     window = memwatch.Window()
     window.start()
-    block = torch1.ones(256 * MiB // 4)  # touched, so resident: 256 MiB
+    block = torch_one_thread.ones(256 * MiB // 4)  # touched, so resident: 256 MiB
     del block
     result = window.stop()
     assert 250 * MiB <= result["peak_above_baseline"] <= 256 * MiB + 24 * MiB, result
@@ -32,10 +32,10 @@ def test_a_window_reads_back_a_known_transient_allocation(torch1):
     assert result["end"]["RssAnon"] - result["baseline_anon"] < 24 * MiB  # and it was given back
 
 
-def test_control_a_window_without_an_allocation_reads_little(torch1):
+def test_control_a_window_without_an_allocation_reads_little(torch_one_thread):
     window = memwatch.Window()
     window.start()
-    torch1.ones(16).sum()
+    torch_one_thread.ones(16).sum()
     result = window.stop()
     assert result["peak_above_baseline"] < 16 * MiB, result
 

@@ -28,7 +28,7 @@ def matmul_4bit_calls(monkeypatch):
     return calls
 
 
-def test_control_the_counter_sees_the_resident_nf4_path(checkpoints, matmul_4bit_calls, torch1):
+def test_control_the_counter_sees_the_resident_nf4_path(checkpoints, matmul_4bit_calls, torch_one_thread):
     """CONTROL: without it, a zero count below could mean the counter never intercepts anything."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -52,7 +52,7 @@ def test_control_the_counter_sees_the_resident_nf4_path(checkpoints, matmul_4bit
     assert matmul_4bit_calls["MatMul4Bit"] > 0, "the counter did not see bitsandbytes' autograd function"
 
 
-def test_streamed_nf4_never_reaches_matmul_4bit(checkpoints, store_root, matmul_4bit_calls, torch1):
+def test_streamed_nf4_never_reaches_matmul_4bit(checkpoints, store_root, matmul_4bit_calls, torch_one_thread):
     from soup_plugin_streaming import testing
 
     s, runtime = testing.streamed(checkpoints["llama"], store_root, quant="nf4", tier="ram")
@@ -67,7 +67,7 @@ def test_streamed_nf4_never_reaches_matmul_4bit(checkpoints, store_root, matmul_
     )
 
 
-def test_the_store_holds_bitsandbytes_own_nf4_codes(checkpoints, store_root, torch1):
+def test_the_store_holds_bitsandbytes_own_nf4_codes(checkpoints, store_root, torch_one_thread):
     """Quantised once at split time: the stored codes and scales are exactly what bitsandbytes produces
     for the weight, and the small tensors (norms) stay dense."""
     import bitsandbytes.functional as bnbf
@@ -90,7 +90,7 @@ def test_the_store_holds_bitsandbytes_own_nf4_codes(checkpoints, store_root, tor
 
 
 def test_a_store_whose_nf4_tensors_do_not_match_their_spec_is_refused(
-    checkpoints, store_root, tmp_path, torch1
+    checkpoints, store_root, tmp_path, torch_one_thread
 ):
     import json
     import shutil

@@ -169,7 +169,7 @@ def test_preflight_plan_lines_and_nf4_probe(plugins, tmp_path):
     assert "NF4 quantise/dequantise works on" in report.lines[1]
 
 
-def test_the_architecture_lists_agree(torch1):
+def test_the_architecture_lists_agree(torch_one_thread):
     from soup_plugin_streaming.runtime import SUPPORTED_ARCHITECTURES
 
     assert plugin.ARCHITECTURES == SUPPORTED_ARCHITECTURES

@@ -32,7 +32,7 @@ def _shape(folder: Path) -> preflight.ModelShape:
         ("qwen2", "float32", "nf4", True),
     ],
 )
-def test_store_sizes_are_exact(checkpoints, store_root, torch1, name, dtype, quant, nested):
+def test_store_sizes_are_exact(checkpoints, store_root, torch_one_thread, name, dtype, quant, nested):
     import torch
 
     from soup_plugin_streaming.testing import make_store
@@ -52,7 +52,7 @@ def test_store_sizes_are_exact(checkpoints, store_root, torch1, name, dtype, qua
     assert int(store.index["extras_bytes"]) == preflight.extras_bytes(shape, e, quant, nested)
 
 
-def test_the_wrong_shape_would_be_caught(checkpoints, store_root, torch1):
+def test_the_wrong_shape_would_be_caught(checkpoints, store_root, torch_one_thread):
     """Control: the comparison above sees a one-field difference (qwen2 without its biases)."""
     from dataclasses import replace
 
@@ -63,14 +63,15 @@ def test_the_wrong_shape_would_be_caught(checkpoints, store_root, torch1):
     assert store.layer_bytes != preflight.layer_bytes(wrong, 4)
 
 
-def test_adapter_count_matches_peft(checkpoints, store_root, torch1):
+def test_adapter_count_matches_peft(checkpoints, store_root, torch_one_thread):
     from soup_plugin_streaming.testing import lora_kwargs, streamed
 
     for name in ("qwen2", "tied"):
         model, _ = streamed(checkpoints[name], store_root, lora=lora_kwargs(r=4))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         assert trainable == preflight.lora_params(_shape(checkpoints[name]), 4, "auto") > 0
-        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch1.float32}  # 16 B each
+        trained = {p.dtype for p in model.parameters() if p.requires_grad}
+        assert trained == {torch_one_thread.float32}  # 16 B each
     shape = _shape(checkpoints["llama"])
     assert preflight.lora_params(shape, 4, ["q_proj", "v_proj"]) == shape.layers * 4 * (
         sum(shape.linears()["q_proj"]) + sum(shape.linears()["v_proj"])

@@ -6,7 +6,7 @@ import pytest
 
 
 def test_adapter_saved_from_a_streamed_model_loads_on_a_resident_base(
-    checkpoints, store_root, tmp_path, torch1
+    checkpoints, store_root, tmp_path, torch_one_thread
 ):
     import torch
     from peft import PeftModel
@@ -35,7 +35,7 @@ def test_adapter_saved_from_a_streamed_model_loads_on_a_resident_base(
             assert torch.equal(s(input_ids=ids).logits, loaded(input_ids=ids).logits)
 
 
-def test_adapters_disabled_give_the_resident_base(checkpoints, store_root, torch1):
+def test_adapters_disabled_give_the_resident_base(checkpoints, store_root, torch_one_thread):
     """What a preference task's reference model needs: the same streamed base, adapters off."""
     import torch
 
@@ -51,7 +51,7 @@ def test_adapters_disabled_give_the_resident_base(checkpoints, store_root, torch
         assert not torch.equal(s(input_ids=ids).logits, base(input_ids=ids).logits)
 
 
-def test_only_resident_parts_and_adapters_have_storage(checkpoints, store_root, torch1):
+def test_only_resident_parts_and_adapters_have_storage(checkpoints, store_root, torch_one_thread):
     import torch
 
     from soup_plugin_streaming import testing
@@ -72,7 +72,7 @@ def test_only_resident_parts_and_adapters_have_storage(checkpoints, store_root, 
         s.base_model.model.model.layers[0].mlp.up_proj.base_layer.weight.sum().item()
 
 
-def test_unsupported_architectures_are_refused_by_name(torch1):
+def test_unsupported_architectures_are_refused_by_name(torch_one_thread):
     from transformers import GPT2Config
 
     from soup_plugin_streaming.errors import StreamingError
@@ -82,7 +82,7 @@ def test_unsupported_architectures_are_refused_by_name(torch1):
         check_architecture(GPT2Config())
 
 
-def test_the_loader_refuses_what_it_cannot_run(checkpoints, monkeypatch, torch1):
+def test_the_loader_refuses_what_it_cannot_run(checkpoints, monkeypatch, torch_one_thread):
     from soup_core.config import validate_config
     from soup_core.testing import isolated_plugins
 
@@ -104,7 +104,7 @@ def test_the_loader_refuses_what_it_cannot_run(checkpoints, monkeypatch, torch1)
         training_device()
     from transformers import AutoConfig
 
-    skeleton = build_skeleton(AutoConfig.from_pretrained(str(checkpoints["qwen2"])), torch1.float32)
+    skeleton = build_skeleton(AutoConfig.from_pretrained(str(checkpoints["qwen2"])), torch_one_thread.float32)
     assert resolve_targets(skeleton, "auto") == [
         "q_proj",
         "k_proj",

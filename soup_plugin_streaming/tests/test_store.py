@@ -21,7 +21,9 @@ def _settings(dtype="float32", quant="none", double_quant=True):
     )
 
 
-def test_split_files_are_plain_safetensors_holding_the_source_tensors(checkpoints, tmp_path, torch1):
+def test_split_files_are_plain_safetensors_holding_the_source_tensors(
+    checkpoints, tmp_path, torch_one_thread
+):
     import torch
     from safetensors import safe_open
 
@@ -52,7 +54,7 @@ def test_split_files_are_plain_safetensors_holding_the_source_tensors(checkpoint
     assert all(torch.equal(into[k], ram.host(1)[k]) for k in into)
 
 
-def test_bf16_store_matches_a_bf16_load(checkpoints, tmp_path, torch1):
+def test_bf16_store_matches_a_bf16_load(checkpoints, tmp_path, torch_one_thread):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +70,7 @@ def test_bf16_store_matches_a_bf16_load(checkpoints, tmp_path, torch1):
     assert "lm_head.weight" not in store.extras()  # tied: the head is the embedding, restored by tying
 
 
-def test_reused_while_unchanged_and_rebuilt_when_anything_changes(checkpoints, tmp_path, torch1):
+def test_reused_while_unchanged_and_rebuilt_when_anything_changes(checkpoints, tmp_path, torch_one_thread):
     import shutil
 
     from soup_plugin_streaming.store import ensure_store
@@ -100,7 +102,7 @@ def test_reused_while_unchanged_and_rebuilt_when_anything_changes(checkpoints, t
     assert "splitting" in lines[-1] and (changed / "index.json").is_file()
 
 
-def test_sharded_checkpoints_split_too(tokenizer, tmp_path, torch1):
+def test_sharded_checkpoints_split_too(tokenizer, tmp_path, torch_one_thread):
     import torch
     from safetensors import safe_open
 
@@ -123,7 +125,7 @@ def test_sharded_checkpoints_split_too(tokenizer, tmp_path, torch1):
     assert seen == 9
 
 
-def test_unreadable_sources_are_refused_clearly(tmp_path, torch1):
+def test_unreadable_sources_are_refused_clearly(tmp_path, torch_one_thread):
     from soup_plugin_streaming.errors import StreamingError
     from soup_plugin_streaming.store import ensure_store
 
@@ -183,7 +185,7 @@ _PEAK = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc (Linux)")
-def test_splitting_holds_about_one_layer_while_loading_holds_the_model(tokenizer, tmp_path, torch1):
+def test_splitting_holds_about_one_layer_while_loading_holds_the_model(tokenizer, tmp_path, torch_one_thread):
     import json
 
     from soup_plugin_streaming.testing import build_tiny_checkpoint

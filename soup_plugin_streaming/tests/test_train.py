@@ -26,41 +26,26 @@ def _rows(n: int) -> list[dict]:
 
 
 def _train(
-    tmp_path: Path, base: Path, name: str, *, stream: bool, max_steps: int, resume: str | None = None
+    run_training, tmp_path: Path, base: Path, name: str, *, stream: bool, max_steps: int,
+    resume: str | None = None,
 ) -> tuple:
     from soup_core import Tracker
-    from soup_core.cli.train_cmd import run_train_command
-    from soup_core.testing import registered_plugin
+    from soup_core.testing import write_jsonl
 
     data = tmp_path / "rows.jsonl"
     if not data.exists():
-        data.write_text("".join(json.dumps(r) + "\n" for r in _rows(16)), encoding="utf-8")
-    lines = [
-        f"base: {base}",
-        f"output: {tmp_path / name}",
-        "data:",
-        f"  train: {data}",
-        "  max_length: 48",
-        "  val_split: 0.25",  # evaluation (no gradients) runs through the streamed layers too
-        "training:",
-        f"  max_steps: {max_steps}",
-        "  batch_size: 4",
-        "  logging_steps: 1",
-        "  save_steps: 2",
-        "  dtype: float32",
-        "  learning_rate: 0.01",
-        "  lora: {r: 4, alpha: 8, dropout: 0.1}",
-    ]
+        write_jsonl(data, _rows(16))
+    training = {"max_steps": max_steps, "batch_size": 4, "logging_steps": 1, "save_steps": 2,
+                "dtype": "float32", "learning_rate": 0.01, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}}
     if stream:
-        lines += ["  stream_layers: true", "  stream_buffers: 2", "  stream_source: disk"]
+        training.update(stream_layers=True, stream_buffers=2, stream_source="disk")
     if resume:
-        lines.append(f"  resume_from: {resume}")
-    config = tmp_path / f"{name}-{max_steps}.yaml"
-    config.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    with registered_plugin("streaming", plugin):
-        code = run_train_command(config, overrides={}, dry_run=False)
-    assert code == 0
-    run = Tracker().list_runs(limit=1)[0]
+        training["resume_from"] = resume
+    # val_split: evaluation (no gradients) runs through the streamed layers too
+    config = {"base": str(base), "output": str(tmp_path / name),
+              "data": {"train": str(data), "max_length": 48, "val_split": 0.25}, "training": training}
+    result = run_training(config, plugins=[("streaming", plugin)], installed=False)
+    run = Tracker().get_run(result.run_id)
     assert run.status == "completed", run.error
     timing = ("runtime", "per_second")  # wall-clock numbers differ between any two runs
     metrics = [
@@ -76,15 +61,16 @@ def _adapter(folder: Path) -> dict:
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
-def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, capsys, torch1):
+def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, capsys, torch_one_thread,
+                                                          run_training):
     import torch
 
     base = checkpoints["llama"]
-    streamed, streamed_metrics = _train(tmp_path, base, "streamed", stream=True, max_steps=4)
+    streamed, streamed_metrics = _train(run_training, tmp_path, base, "streamed", stream=True, max_steps=4)
     out = capsys.readouterr().out
     assert "layer store: disk tier (training.stream_source: disk)" in out
     assert "streaming 3 layers (float32) through 2 x" in out
-    resident, resident_metrics = _train(tmp_path, base, "resident", stream=False, max_steps=4)
+    resident, resident_metrics = _train(run_training, tmp_path, base, "resident", stream=False, max_steps=4)
     assert [step for step, _ in streamed_metrics] == [1, 2, 3, 4]
     assert "eval_loss" in streamed_metrics[2][1]  # the epoch (3 batches of the 12 training rows) ended
     losses = [m["loss"] for _, m in streamed_metrics]
@@ -101,6 +87,7 @@ def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, 
 
     # resume both from step 2 to step 6
     run, resumed = _train(
+        run_training,
         tmp_path,
         base,
         "streamed",
@@ -110,6 +97,7 @@ def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, 
     )
     assert run.summary.get("resumed_from_step") == 2
     _, resident_resumed = _train(
+        run_training,
         tmp_path,
         base,
         "resident",
