@@ -12,7 +12,7 @@ import pytest
 
 import soup_plugin_distill.plugin as distill
 from soup_core import ConfigError, load_config
-from soup_core.testing import isolated_plugins
+from soup_core.testing import TrainingFailed, isolated_plugins, write_jsonl, write_yaml
 
 
 @pytest.fixture
@@ -21,13 +21,13 @@ def plugins():
 
 
 @pytest.fixture
-def config(tmp_path: Path, plugins, kit):
+def config(tmp_path: Path, plugins, chat_rows):
     """``config(task="distill", **training)``: a validated config with 4 chat rows and base ``some/model``."""
 
     def make(task: str = "distill", **training: Any):
-        data = kit.write_jsonl(tmp_path / "data.jsonl", kit.chat_rows(4))
+        data = write_jsonl(tmp_path / "data.jsonl", chat_rows(4))
         mapping = {"base": "some/model", "task": task, "data": {"train": str(data)}, "training": training}
-        return load_config(kit.write_config(tmp_path, mapping), plugins=plugins)
+        return load_config(write_yaml(tmp_path / "soup.yaml", mapping), plugins=plugins)
 
     return make
 
@@ -140,13 +140,14 @@ def test_preflight_refuses_a_vocabulary_mismatch_naming_both_sizes(tmp_path, con
     ]
 
 
-def test_dry_run_refuses_distill_without_a_teacher(tmp_path, soup_train, capsys, kit):
-    data = kit.write_jsonl(tmp_path / "data.jsonl", kit.chat_rows(4))
-    config = kit.write_config(
-        tmp_path, {"base": "some/model", "task": "distill", "data": {"train": str(data)}}
+def test_dry_run_refuses_distill_without_a_teacher(tmp_path, soup_train, chat_rows):
+    data = write_jsonl(tmp_path / "data.jsonl", chat_rows(4))
+    config = write_yaml(
+        tmp_path / "soup.yaml", {"base": "some/model", "task": "distill", "data": {"train": str(data)}}
     )
-    assert soup_train(config, dry_run=True) == 1
-    err = capsys.readouterr().err
+    with pytest.raises(TrainingFailed) as refused:
+        soup_train(config, dry_run=True)
+    err = refused.value.message
     assert "pre-flight check of plugin 'distill' refused the run" in err and "training.teacher_model" in err
 
 

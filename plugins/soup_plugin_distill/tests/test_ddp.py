@@ -11,21 +11,21 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_two_ranks_match_one_process_on_the_same_rows(models, tmp_path, kit, soup_train, monkeypatch):
+def test_two_ranks_match_one_process_on_the_same_rows(models, tmp_path, chat_rows, soup_train, monkeypatch):
     from soup_core import Tracker, probes
-    from soup_core.testing import run_soup
+    from soup_core.testing import run_soup, write_jsonl, write_yaml
 
     if probes.distribution_version("soup-plugin-distill") is None:
         pytest.skip("the subprocess finds the plugin through its entry point: pip install -e this plugin")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    rows = kit.chat_rows(8)
-    train = kit.write_jsonl(tmp_path / "train.jsonl", rows)
+    rows = chat_rows(8)
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
 
     def config(name: str, batch: int):
         folder = tmp_path / name
         folder.mkdir()
-        return kit.write_config(
-            folder,
+        return write_yaml(
+            folder / "soup.yaml",
             {
                 "base": str(models["other"]),
                 "task": "distill",
@@ -42,7 +42,7 @@ def test_two_ranks_match_one_process_on_the_same_rows(models, tmp_path, kit, sou
             },
         )
 
-    assert soup_train(config("single", 4), with_rewind=False) == 0
+    soup_train(config("single", 4), with_rewind=False)
     done = run_soup(["train", "-c", str(config("ddp", 2)), "--nproc", "2"], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from soup_core.testing import TrainingFailed, train_in_process, write_jsonl, write_yaml
+
 pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
@@ -40,31 +42,19 @@ def arithmetic_rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def sft_teacher(models, tmp_path_factory, torch1) -> Path:
+def sft_teacher(models, tmp_path_factory, torch_one_thread) -> Path:
     """The student-tokenizer tiny model after a short sft run (full fine-tuning) on arithmetic rows,
     trained with the core's sft task through ``soup train``."""
-    import yaml
-
-    from soup_core.cli.train_cmd import run_train_command
-
     root = tmp_path_factory.mktemp("teacher")
-    data = root / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_rows(48, seed=0)), encoding="utf-8")
-    config = root / "soup.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "base": str(models["student"]),
-                "output": str(root / "teacher"),
-                "data": {"train": str(data), "max_length": 64},
-                "training": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "lora": {"r": 0}},
-            }
-        ),
-        encoding="utf-8",
-    )
+    config = {
+        "base": str(models["student"]),
+        "output": str(root / "teacher"),
+        "data": {"train": str(write_jsonl(root / "train.jsonl", arithmetic_rows(48, seed=0))), "max_length": 64},
+        "training": {"epochs": 6, "batch_size": 8, "learning_rate": 1e-2, "lora": {"r": 0}},
+    }
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SOUP_HOME", str(root / "home"))
-        assert run_train_command(config, overrides={}, dry_run=False) == 0
+        train_in_process(config, workdir=root, installed=False)
     return root / "teacher"
 
 
@@ -89,11 +79,11 @@ def _agreement(student_dir: Path, teacher_dir: Path, rows: list[dict[str, Any]])
     return same / total
 
 
-def _config(kit, folder: Path, base: Path, teacher: Path | str, rows, *, data=None, training=None) -> Path:
+def _config(folder: Path, base: Path, teacher: Path | str, rows, *, data=None, training=None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    train = kit.write_jsonl(folder / "train.jsonl", rows)
-    return kit.write_config(
-        folder,
+    train = write_jsonl(folder / "train.jsonl", rows)
+    return write_yaml(
+        folder / "soup.yaml",
         {
             "base": str(base),
             "task": "distill",
@@ -122,13 +112,12 @@ def _metrics(run_index: int = 0) -> list[tuple[int, dict[str, float]]]:
 
 
 def test_distilling_an_sft_teacher_into_a_fresh_student(
-    sft_teacher, models, tmp_path, kit, soup_train, recorded
+    sft_teacher, models, tmp_path, soup_train
 ):
     rows = arithmetic_rows(48, seed=0)
     held_out = arithmetic_rows(16, seed=1)
     steps = 36
     config = _config(
-        kit,
         tmp_path,
         models["other"],
         sft_teacher,
@@ -136,7 +125,7 @@ def test_distilling_an_sft_teacher_into_a_fresh_student(
         training={"max_steps": steps, "batch_size": 8, "learning_rate": 5e-3},
     )
     before = _agreement(models["other"], sft_teacher, held_out)
-    assert soup_train(config) == 0
+    run = soup_train(config)
     after = _agreement(tmp_path / "out", sft_teacher, held_out)
 
     # The distillation term (T^2 times forward KL, per supervised token) falls.
@@ -152,11 +141,10 @@ def test_distilling_an_sft_teacher_into_a_fresh_student(
     assert {"ce_loss", "teacher_agreement", "loss", "grad_norm"} <= set(metrics[-1][1])
 
     # The rewind log holds every micro-batch with the per-row losses of the trained objective.
-    (recorder,) = recorded
     log = [json.loads(line) for line in (tmp_path / "out" / "rewind.jsonl").read_text().splitlines()]
     header, batches = log[0], log[1:]
-    assert header["task"] == "distill" and len(batches) == steps == len(recorder.micro)
-    for batch, event in zip(batches, recorder.micro, strict=True):
+    assert header["task"] == "distill" and len(batches) == steps == len(run.micro)
+    for batch, event in zip(batches, run.micro, strict=True):
         assert batch["rows"] == list(event.rows) and batch["row_tokens"] == list(event.row_tokens)
         assert all(math.isfinite(v) and v > 0 for v in batch["row_loss"])
         assert all(t > 0 for t in batch["row_tokens"])
@@ -198,7 +186,7 @@ def _by_hand(student_dir: Path, teacher_dir: Path, rows, *, weight: float, tempe
 
 
 def test_per_row_losses_are_those_of_the_combined_objective(
-    models, tmp_path, kit, soup_train, recorded, monkeypatch
+    models, tmp_path, chat_rows, soup_train, monkeypatch
 ):
     import soup_plugin_distill.trainer as trainer_module
 
@@ -210,10 +198,9 @@ def test_per_row_losses_are_those_of_the_combined_objective(
         return loaded[-1]
 
     monkeypatch.setattr(trainer_module, "load_teacher", counting_load)
-    rows = kit.chat_rows(8)
+    rows = chat_rows(8)
     weight, temperature = 0.3, 1.5
     config = _config(
-        kit,
         tmp_path,
         models["other"],
         models["student"],
@@ -226,9 +213,7 @@ def test_per_row_losses_are_those_of_the_combined_objective(
             "learning_rate": 1e-3,
         },
     )
-    assert soup_train(config, with_rewind=False) == 0
-    (recorder,) = recorded
-    first = recorder.micro[0]
+    first = soup_train(config, with_rewind=False).micro[0]
     assert first.step == 1 and len(first.rows) == 4
     expected = _by_hand(models["other"], models["student"], rows, weight=weight, temperature=temperature)
     for row, loss, tokens in zip(first.rows, first.row_loss, first.row_tokens, strict=True):
@@ -279,7 +264,7 @@ def test_per_row_losses_are_those_of_the_combined_objective(
 
 
 def test_gradient_accumulation_matches_one_larger_batch(
-    sft_teacher, models, tmp_path, kit, soup_train, recorded
+    sft_teacher, models, tmp_path, soup_train
 ):
     # The sft-trained model as the student: its loss is low on the arithmetic it learned and high on junk,
     # so micro-batches differ in per-token loss as well as in length, and a wrong normalisation shows.
@@ -301,7 +286,6 @@ def test_gradient_accumulation_matches_one_larger_batch(
     steps = {}
     for name, batch, accumulation in (("one", 4, 1), ("two", 2, 2)):
         config = _config(
-            kit,
             tmp_path / name,
             sft_teacher,
             models["student"],
@@ -309,8 +293,7 @@ def test_gradient_accumulation_matches_one_larger_batch(
             data={"seed": seed},
             training={"max_steps": 1, "batch_size": batch, "gradient_accumulation_steps": accumulation},
         )
-        assert soup_train(config, with_rewind=False) == 0
-        steps[name] = recorded[-1]
+        steps[name] = soup_train(config, with_rewind=False)
     one, two = steps["one"], steps["two"]
     assert sorted(one.micro[0].rows) == sorted(two.micro[0].rows + two.micro[1].rows)
     a, b = one.steps[0].metrics, two.steps[0].metrics
@@ -327,10 +310,10 @@ def test_gradient_accumulation_matches_one_larger_batch(
 # --------------------------------------------------------------------- LoRA, checkpoints, resume, eval
 
 
-def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, kit, soup_train, recorded):
+def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, chat_rows, soup_train):
     from safetensors.torch import load_file
 
-    rows = kit.chat_rows(12)
+    rows = chat_rows(12)
     training = {
         "max_steps": 4,
         "save_steps": 2,
@@ -341,9 +324,9 @@ def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, kit, soup_tr
     }
     data = {"val_split": 0.25}
     straight = _config(
-        kit, tmp_path / "a", models["other"], models["student"], rows, data=data, training=training
+        tmp_path / "a", models["other"], models["student"], rows, data=data, training=training
     )
-    assert soup_train(straight, with_rewind=False) == 0
+    first_run = soup_train(straight, with_rewind=False)
     checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
     assert (checkpoint / "adapter_model.safetensors").is_file()
     evals = {step: m for step, m in _metrics() if "eval_loss" in m}
@@ -353,7 +336,6 @@ def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, kit, soup_tr
     )
 
     resumed = _config(
-        kit,
         tmp_path / "b",
         models["other"],
         models["student"],
@@ -361,8 +343,7 @@ def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, kit, soup_tr
         data=data,
         training={**training, "resume_from": str(checkpoint)},
     )
-    assert soup_train(resumed, with_rewind=False) == 0
-    first_run, second_run = recorded
+    second_run = soup_train(resumed, with_rewind=False)
     assert [e.step for e in second_run.micro] == [3, 4]
     assert [e.rows for e in second_run.micro] == [e.rows for e in first_run.micro if e.step > 2]
     end_a = load_file(tmp_path / "a" / "out" / "adapter_model.safetensors")
@@ -372,11 +353,11 @@ def test_lora_student_checkpoints_resume_and_eval(models, tmp_path, kit, soup_tr
     assert any(not torch.equal(at_two[k], end_a[k]) for k in end_a)
 
 
-def test_packed_rows_get_the_same_per_row_losses(models, tmp_path, kit, soup_train, recorded):
-    rows = kit.chat_rows(8)
+def test_packed_rows_get_the_same_per_row_losses(models, tmp_path, chat_rows, soup_train):
+    rows = chat_rows(8)
+    runs = []
     for name, packing in (("padded", False), ("packed", True)):
         config = _config(
-            kit,
             tmp_path / name,
             models["other"],
             models["student"],
@@ -384,8 +365,8 @@ def test_packed_rows_get_the_same_per_row_losses(models, tmp_path, kit, soup_tra
             data={"packing": packing},
             training={"max_steps": 1, "distill_divergence": "js"},
         )
-        assert soup_train(config, with_rewind=False) == 0
-    padded, packed = (r.micro[0] for r in recorded)
+        runs.append(soup_train(config, with_rewind=False))
+    padded, packed = (r.micro[0] for r in runs)
     assert padded.rows == packed.rows and padded.row_tokens == packed.row_tokens
     assert packed.row_loss == pytest.approx(padded.row_loss, rel=1e-4)
 
@@ -407,7 +388,7 @@ def _swapped_tokenizer_teacher(models, folder: Path) -> Path:
 
 @pytest.mark.parametrize("teacher", ["small_vocab", "swapped_tokenizer"])
 def test_setup_refuses_a_teacher_that_does_not_share_the_vocabulary(
-    models, tmp_path, kit, soup_train, capsys, teacher
+    models, tmp_path, chat_rows, soup_train, teacher
 ):
     from transformers import AutoTokenizer
 
@@ -418,10 +399,11 @@ def test_setup_refuses_a_teacher_that_does_not_share_the_vocabulary(
     else:
         folder = _swapped_tokenizer_teacher(models, tmp_path / "swapped")
         expected = ["the teacher's tokenizer", "differs from the student's", "2 tokens map to other ids"]
-    config = _config(kit, tmp_path, models["other"], folder, kit.chat_rows(4), training={"max_steps": 1})
+    config = _config(tmp_path, models["other"], folder, chat_rows(4), training={"max_steps": 1})
     # Without the pre-flight (which refuses the size mismatch of local folders early), set-up must refuse.
-    assert soup_train(config, with_rewind=False, preflight=False) == 1
-    err = " ".join(capsys.readouterr().err.split())
+    with pytest.raises(TrainingFailed) as refused:
+        soup_train(config, with_rewind=False, preflight=False)
+    err = " ".join(refused.value.message.split())
     assert all(text in err for text in expected), err
 
 
