@@ -1,12 +1,11 @@
-"""Shared fixtures for the unlearn plugin's tests: one torch thread, a private SOUP_HOME, tiny models, and
-a runner that trains in-process through ``soup train``'s own code path with this plugin (plus a recording
-plugin) registered, no installed entry points read.
+"""Shared fixtures for the unlearn plugin's tests: the test kit (``soup_core.testing``: ``tiny_model``,
+``torch_one_thread``, ``run_training``), a private SOUP_HOME for session-scoped runs, and ``soup_train``:
+``run_training`` with this plugin (plus any extra tasks, support rows and controllers a test adds) and no
+installed plugin.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,18 +13,7 @@ from typing import Any
 
 import pytest
 
-# Two shared cores: more threads than one per process makes torch slower, not faster.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def torch_one_thread():
-    import torch
-
-    torch.set_num_threads(1)
-    return torch
+pytest_plugins = ["soup_core.testing"]
 
 
 @pytest.fixture(scope="session")
@@ -37,51 +25,22 @@ def session_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield home
 
 
-@pytest.fixture(scope="session")
-def tiny_base(session_home: Path, torch_one_thread) -> Path:
-    """The core's default tiny Llama (hidden 64, 2 layers), random weights: for the trainer's mechanics."""
-    import soup_core
-
-    return soup_core.tiny_model_dir(session_home / "tiny")
-
-
-class ListRecorder:
-    """Keeps every event of every run; the instances of the current test are in ``ListRecorder.made``."""
-
-    name = "list"
-    made: list[ListRecorder] = []
-
-    def __init__(self) -> None:
-        self.starts: list[Any] = []
-        self.micro: list[Any] = []
-        self.steps: list[Any] = []
-        self.ends: list[Any] = []
-        ListRecorder.made.append(self)
-
-    def on_run_start(self, event: Any) -> None:
-        self.starts.append(event)
-
-    def on_micro_batch(self, event: Any) -> None:
-        self.micro.append(event)
-        for probe in PROBES:
-            probe(event)
-
-    def on_optimizer_step(self, event: Any) -> None:
-        self.steps.append(event)
-
-    def on_run_end(self, event: Any) -> None:
-        self.ends.append(event)
-
-
 #: Functions called with every micro-batch event, inside the training step (tests add and remove them).
 PROBES: list[Callable[[Any], None]] = []
 
 
 def make_plugin(*, tasks: list[type] = (), support: list[Any] = (), controllers: list[type] = ()) -> Any:
-    """This plugin's hooks, plus the recorder and any extra tasks, support rows and controllers, as one
-    plugin object."""
-    from soup_core import hookimpl
+    """This plugin's hooks, plus a recorder that calls the micro-batch probes and any extra tasks, support
+    rows and controllers, as one plugin object."""
+    from soup_core import Recorder, hookimpl
     from soup_plugin_unlearn import plugin as unlearn
+
+    class Probing(Recorder):
+        name = "unlearn-test-probes"
+
+        def on_micro_batch(self, event: Any) -> None:
+            for probe in PROBES:
+                probe(event)
 
     ns = types.SimpleNamespace(SOUP_HOOK_API=unlearn.SOUP_HOOK_API)
     for name in dir(unlearn):
@@ -90,7 +49,7 @@ def make_plugin(*, tasks: list[type] = (), support: list[Any] = (), controllers:
 
     @hookimpl
     def soup_register_recorders() -> list[type]:
-        return [ListRecorder]
+        return [Probing]
 
     @hookimpl
     def soup_register_tasks() -> list[type]:
@@ -111,61 +70,6 @@ def make_plugin(*, tasks: list[type] = (), support: list[Any] = (), controllers:
     return ns
 
 
-def write_yaml(path: Path, mapping: dict[str, Any]) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(mapping, sort_keys=False), encoding="utf-8")
-    return path
-
-
-class Trained:
-    """What one in-process ``soup train`` left: exit code, recorder, output folder, printed text."""
-
-    def __init__(self, code: int, recorder: ListRecorder | None, output: Path, text: str) -> None:
-        self.code, self.recorder, self.output, self.text = code, recorder, output, text
-
-    def adapter(self) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
-        return load_file(str(self.output / "adapter_model.safetensors"))
-
-    def eval_record(self) -> dict[str, Any]:
-        return json.loads((self.output / "unlearn_eval.json").read_text(encoding="utf-8"))
-
-
-def train(
-    config: Path | dict[str, Any],
-    tmp: Path,
-    *,
-    overrides: dict[str, Any] | None = None,
-    plugin: Any = None,
-    dry_run: bool = False,
-    capsys: Any = None,
-) -> Trained:
-    """Run ``soup train`` in-process (its own function, real config/plan/tracker/backend) and collect."""
-    from soup_core.cli.train_cmd import run_train_command
-    from soup_core.testing import registered_plugin
-
-    path = (
-        config
-        if isinstance(config, Path)
-        else write_yaml(tmp / f"config-{len(list(tmp.glob('config-*')))}.yaml", config)
-    )
-    ListRecorder.made.clear()
-    with registered_plugin("unlearn", plugin or make_plugin()):
-        code = run_train_command(path, overrides=dict(overrides or {}), dry_run=dry_run)
-    text = ""
-    if capsys is not None:
-        captured = capsys.readouterr()
-        text = captured.out + captured.err
-    import yaml
-
-    mapping = yaml.safe_load(path.read_text(encoding="utf-8"))
-    output = Path((overrides or {}).get("output", mapping.get("output", "./output")))
-    recorder = ListRecorder.made[-1] if ListRecorder.made else None
-    return Trained(code, recorder, output, text)
-
-
 @pytest.fixture
 def demo_data() -> dict[str, Path]:
     """The bundled demo data files."""
@@ -176,7 +80,7 @@ def demo_data() -> dict[str, Path]:
 
 @pytest.fixture
 def unlearn_config(
-    tmp_path: Path, tiny_base: Path, demo_data: dict[str, Path]
+    tmp_path: Path, tiny_model: Path, demo_data: dict[str, Path]
 ) -> Callable[..., dict[str, Any]]:
     """A factory of short unlearn configs on the tiny model: ``unlearn_config(name, training={...})``."""
 
@@ -188,7 +92,7 @@ def unlearn_config(
         base: Path | None = None,
     ) -> dict[str, Any]:
         return {
-            "base": str(base or tiny_base),
+            "base": str(base or tiny_model),
             "task": "unlearn",
             "output": str(tmp_path / name),
             "data": {
@@ -211,11 +115,12 @@ def unlearn_config(
 
 
 @pytest.fixture
-def soup_train(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Callable[..., Trained]:
-    """``soup_train(config_or_path, overrides=..., plugin=..., dry_run=...)`` -> :class:`Trained`."""
+def soup_train(run_training) -> Callable[..., Any]:
+    """``soup_train(config_or_path, plugin=None, overrides=..., dry_run=...)``: ``run_training`` with this
+    plugin (or ``plugin``, from :func:`make_plugin`) and no installed one; returns its ``TrainingResult``."""
 
-    def run(config: Path | dict[str, Any], **kwargs: Any) -> Trained:
-        return train(config, tmp_path, capsys=capsys, **kwargs)
+    def run(config: Path | dict[str, Any], *, plugin: Any = None, **kwargs: Any) -> Any:
+        return run_training(config, plugins=[("unlearn", plugin or make_plugin())], installed=False, **kwargs)
 
     return run
 
@@ -234,11 +139,14 @@ def micro_batch_probes() -> Iterator[list[Callable[[Any], None]]]:
 
 
 @pytest.fixture(scope="session")
-def soup_train_session(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Trained]:
-    """:func:`soup_train` for session-scoped fixtures (output is not captured per test)."""
-    tmp = tmp_path_factory.mktemp("configs")
+def soup_train_session(tmp_path_factory: pytest.TempPathFactory, session_home: Path) -> Callable[..., Any]:
+    """:func:`soup_train` for session-scoped fixtures, in the session's SOUP_HOME."""
+    from soup_core.testing import train_in_process
 
-    def run(config: Path | dict[str, Any], **kwargs: Any) -> Trained:
-        return train(config, tmp, **kwargs)
+    workdir = tmp_path_factory.mktemp("runs")
+
+    def run(config: Path | dict[str, Any], **kwargs: Any) -> Any:
+        return train_in_process(config, workdir=workdir, plugins=[("unlearn", make_plugin())], installed=False,
+                                **kwargs)
 
     return run

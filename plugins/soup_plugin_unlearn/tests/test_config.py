@@ -190,13 +190,15 @@ def test_dry_run_prints_the_plan_and_refuses_through_soup_train(tmp_path, soup_t
         "data": {"forget": str(demo_data["forget"]), "retain": str(demo_data["retain"])},
         "training": {"unlearn_method": "rmu", "unlearn_rmu_coeff": 12.0},
     }
-    ok = soup_train(mapping, dry_run=True)
-    assert ok.code == 0, ok.text
-    assert "data.forget: 8 training rows" in ok.text and "data.retain: 16 training rows" in ok.text
-    assert "method rmu: layer middle, c=12, retain weight α=1" in ok.text
+    from soup_core.testing import TrainingFailed
+
+    ok = soup_train(mapping, dry_run=True).output
+    assert "data.forget: 8 training rows" in ok and "data.retain: 16 training rows" in ok
+    assert "method rmu: layer middle, c=12, retain weight α=1" in ok
     mapping["data"]["train"] = str(demo_data["forget"])
-    refused = soup_train(mapping, dry_run=True)
-    assert refused.code == 1 and "does not read it" in refused.text and "remove data.train" in refused.text
+    with pytest.raises(TrainingFailed) as refused:
+        soup_train(mapping, dry_run=True)
+    assert "does not read it" in refused.value.message and "remove data.train" in refused.value.message
 
 
 def test_registration_imports_nothing_heavy(tmp_path):

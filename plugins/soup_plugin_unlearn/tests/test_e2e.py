@@ -106,11 +106,10 @@ def facts(demo) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def learned(demo, facts, soup_train_session) -> dict[str, Any]:
     run = soup_train_session(demo / "learn.yaml")
-    assert run.code == 0
-    model = _load(run.output)
+    model = _load(run.output_dir)
     pad = facts["pad"]
     return {
-        "path": run.output,
+        "path": run.output_dir,
         "forget_loss": _loss(model, facts["forget"], pad),
         "forget_recall": _recall(model, facts["forget"], pad),
         "retain_recall": _recall(model, facts["retain"], pad),
@@ -121,9 +120,7 @@ def learned(demo, facts, soup_train_session) -> dict[str, Any]:
 def unlearned(demo, learned, soup_train_session) -> dict[str, Any]:
     runs = {}
     for method in METHODS:
-        run = soup_train_session(demo / f"unlearn-{method}.yaml")
-        assert run.code == 0, method
-        runs[method] = run
+        runs[method] = soup_train_session(demo / f"unlearn-{method}.yaml")
     return runs
 
 
@@ -136,7 +133,7 @@ def test_the_sft_phase_memorised_every_fact(facts, learned):
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_forgets_the_forget_set_and_keeps_the_retain_set(method, facts, learned, unlearned):
     run = unlearned[method]
-    model = _load(learned["path"], run.output)
+    model = _load(learned["path"], run.output_dir)
     forget_loss = _loss(model, facts["forget"], facts["pad"])
     retain_recall = _recall(model, facts["retain"], facts["pad"])
     assert forget_loss >= 0.5 * facts["untrained_forget_loss"], (
@@ -148,7 +145,7 @@ def test_each_method_forgets_the_forget_set_and_keeps_the_retain_set(method, fac
     assert _recall(model, facts["forget"], facts["pad"]) <= 0.25  # and the facts themselves are gone
 
     # the run's own evaluation says the same, measured against the starting model
-    record = run.eval_record()
+    record = json.loads((run.output_dir / "unlearn_eval.json").read_text(encoding="utf-8"))
     assert record["params"]["method"] == method
     assert record["start"]["forget_loss"] == pytest.approx(learned["forget_loss"], rel=1e-4)
     assert record["end"]["forget_loss"] == pytest.approx(forget_loss, rel=1e-4)
@@ -162,13 +159,13 @@ def test_unlearn_eval_prints_the_table(facts, learned, unlearned, tmp_path):
     from soup_plugin_unlearn import plugin
     from soup_plugin_unlearn.cli import app
 
-    run_id = json.loads((unlearned["npo"].output / "unlearn_eval.json").read_text())["run_id"]
+    run_id = json.loads((unlearned["npo"].output_dir / "unlearn_eval.json").read_text())["run_id"]
     out = tmp_path / "eval.json"
     with registered_plugin("unlearn", plugin):
         result = CliRunner().invoke(app, ["eval", "--run", run_id, "--recall", "--json", str(out)])
     assert result.exit_code == 0, result.output
     numbers = json.loads(out.read_text())
-    model = _load(learned["path"], unlearned["npo"].output)
+    model = _load(learned["path"], unlearned["npo"].output_dir)
     forget_loss = _loss(model, facts["forget"], facts["pad"])
     assert numbers["end"]["forget_loss"] == pytest.approx(forget_loss, rel=1e-4)
     assert numbers["start"]["forget_loss"] == pytest.approx(learned["forget_loss"], rel=1e-4)

@@ -14,7 +14,19 @@ from typing import Any
 
 import pytest
 
+from soup_core.testing import TrainingFailed
+
 pytestmark = pytest.mark.slow
+
+
+def _adapter(run: Any) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run.output_dir / "adapter_model.safetensors"))
+
+
+def _eval_record(run: Any) -> dict[str, Any]:
+    return json.loads((run.output_dir / "unlearn_eval.json").read_text(encoding="utf-8"))
 
 
 def _per_row_nll(base: Path, path: Path, max_length: int) -> tuple[list[float], list[int]]:
@@ -39,7 +51,7 @@ def _per_row_nll(base: Path, path: Path, max_length: int) -> tuple[list[float], 
 
 
 def test_events_carry_the_forget_rows_in_the_cores_order_with_their_losses(
-    soup_train, unlearn_config, tiny_base, demo_data
+    soup_train, unlearn_config, tiny_model, demo_data
 ):
     import soup_core
 
@@ -53,9 +65,7 @@ def test_events_carry_the_forget_rows_in_the_cores_order_with_their_losses(
             "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
         },
     )
-    run = soup_train(config)
-    assert run.code == 0, run.text
-    rec = run.recorder
+    rec = run = soup_train(config)
 
     forget = soup_core.build_training_list(
         {"forget": str(demo_data["forget"])},
@@ -72,17 +82,17 @@ def test_events_carry_the_forget_rows_in_the_cores_order_with_their_losses(
 
     # step 1 trains the starting model (a LoRA adapter starts as the identity): its per-row losses are the
     # base model's, measured independently
-    want, counts = _per_row_nll(tiny_base, demo_data["forget"], 48)
+    want, counts = _per_row_nll(tiny_model, demo_data["forget"], 48)
     for event in rec.micro[:2]:
         assert list(event.row_tokens) == [counts[r] for r in event.rows]
         assert list(event.row_loss) == pytest.approx([want[r] for r in event.rows], rel=1e-4)
     assert [s.step for s in rec.steps] == [1, 2] and [e.status for e in rec.ends] == ["completed"]
 
-    adapter_config = json.loads((run.output / "adapter_config.json").read_text())
+    adapter_config = json.loads((run.output_dir / "adapter_config.json").read_text())
     assert set(adapter_config["target_modules"]) == {"q_proj", "v_proj"}
-    assert {k.split(".")[-3] for k in run.adapter()} == {"q_proj", "v_proj"}
+    assert {k.split(".")[-3] for k in _adapter(run)} == {"q_proj", "v_proj"}
 
-    record = run.eval_record()
+    record = _eval_record(run)
     assert record["params"] == {"method": "npo", "alpha": 1.0, "beta": 0.1}
     assert record["rows"] == {"forget": 8, "retain": 16} and record["step"] == 2
     # the starting model's forget loss: the token-weighted mean of the independent per-row losses
@@ -114,8 +124,7 @@ def test_alpha_zero_trains_on_the_forget_loss_alone(
                 name, data={"retain": str(retain)}, training={"unlearn_alpha": alpha, "max_steps": 3}
             )
         )
-        assert run.code == 0, run.text
-        return run.adapter()
+        return _adapter(run)
 
     def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -179,9 +188,9 @@ def _copyref_task() -> tuple[type, Any]:
 
 
 def test_an_npo_step_holds_one_model_plus_the_adapter(
-    soup_train, unlearn_config, tiny_base, micro_batch_probes, plugin_with
+    soup_train, unlearn_config, tiny_model, micro_batch_probes, plugin_with
 ):
-    one_model = _tensor_bytes(tiny_base / "model.safetensors")
+    one_model = _tensor_bytes(tiny_model / "model.safetensors")
 
     def measured(name: str, **kwargs: Any) -> tuple[int, int]:
         before = _parameter_storages()
@@ -195,8 +204,7 @@ def test_an_npo_step_holds_one_model_plus_the_adapter(
         micro_batch_probes.append(probe)
         run = soup_train(unlearn_config(name, training={"max_steps": 1}), **kwargs)
         micro_batch_probes.clear()
-        assert run.code == 0, run.text
-        return seen[0], _tensor_bytes(run.output / "adapter_model.safetensors")
+        return seen[0], _tensor_bytes(run.output_dir / "adapter_model.safetensors")
 
     live, adapter = measured("one-copy")
     assert adapter > 0 and live == one_model + adapter
@@ -240,16 +248,14 @@ def test_resume_reproduces_the_uninterrupted_run(soup_train, unlearn_config, plu
         "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
     }
     full = soup_train(unlearn_config("full", training=training))
-    assert full.code == 0, full.text
-    checkpoint = full.output / "checkpoint-2"
+    checkpoint = full.output_dir / "checkpoint-2"
     assert (checkpoint / "trainer_state.json").is_file()
 
     resumed = soup_train(unlearn_config("resumed", training={**training, "resume_from": str(checkpoint)}))
-    assert resumed.code == 0, resumed.text
-    assert resumed.recorder.starts[0].resumed_from_step == 2
-    assert [e.step for e in resumed.recorder.micro] == [3, 4]
-    assert [e.rows for e in resumed.recorder.micro] == [e.rows for e in full.recorder.micro[2:]]
-    a, b = full.adapter(), resumed.adapter()
+    assert resumed.start.resumed_from_step == 2
+    assert [e.step for e in resumed.micro] == [3, 4]
+    assert [e.rows for e in resumed.micro] == [e.rows for e in full.micro[2:]]
+    a, b = _adapter(full), _adapter(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     task, support = _restarting_task()
@@ -258,26 +264,24 @@ def test_resume_reproduces_the_uninterrupted_run(soup_train, unlearn_config, plu
         overrides={"task": "unlearn_restart"},
         plugin=plugin_with(tasks=[task], support=[support]),
     )
-    assert wrong.code == 0, wrong.text
-    c = wrong.adapter()
+    c = _adapter(wrong)
     assert not all(torch.equal(a[k], c[k]) for k in a)  # control: other retain batches, another result
 
 
 def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup_train, unlearn_config):
     training = {"unlearn_method": "rmu", "max_steps": 2, "gradient_checkpointing": True}
     run = soup_train(unlearn_config("rmu", training=training, data={"val_split": 0.25}))
-    assert run.code == 0, run.text
-    record = run.eval_record()
+    record = _eval_record(run)
     assert record["params"] == {"method": "rmu", "alpha": 1.0, "rmu_layer": 1, "rmu_coeff": 6.5}
     # data.val_split holds rows of both sets out; they are measured, not trained on
     assert record["rows"] == {"forget": 6, "retain": 12, "forget_heldout": 2, "retain_heldout": 4}
     assert {"forget_heldout_loss", "retain_heldout_loss"} <= set(record["end"])
-    assert [len(e.row_loss) for e in run.recorder.micro] == [4, 2]
-    assert all(r < 6 for e in run.recorder.micro for r in e.rows)
+    assert [len(e.row_loss) for e in run.micro] == [4, 2]
+    assert all(r < 6 for e in run.micro for r in e.rows)
 
-    bad = soup_train(unlearn_config("rmu-bad", training={"unlearn_method": "rmu", "unlearn_rmu_layer": 5}))
-    assert bad.code == 1
-    assert "training.unlearn_rmu_layer: 5 is not a decoder layer of this model (it has 2: 0 to 1)" in bad.text
+    with pytest.raises(TrainingFailed) as bad:
+        soup_train(unlearn_config("rmu-bad", training={"unlearn_method": "rmu", "unlearn_rmu_layer": 5}))
+    assert "training.unlearn_rmu_layer: 5 is not a decoder layer of this model (it has 2: 0 to 1)" in bad.value.message
 
 
 def test_a_controller_sets_the_methods_coefficients_and_only_those(soup_train, unlearn_config, plugin_with):
@@ -291,9 +295,8 @@ def test_a_controller_sets_the_methods_coefficients_and_only_those(soup_train, u
                 return [SetCoefficient("beta", 0.5), SetCoefficient("alpha", 0.0)]
             return [SetCoefficient("gamma", 1.0)]  # simnpo's, not npo's
 
-    run = soup_train(
-        unlearn_config("steer", training={"max_steps": 3}), plugin=plugin_with(controllers=[Steer])
-    )
-    assert run.code == 1
-    assert "Set beta = 0.5 at step 1" in run.text and "Set alpha = 0.0 at step 1" in run.text
-    assert "coefficient 'gamma', which the unlearn trainer does not have (it has: alpha, beta)" in run.text
+    with pytest.raises(TrainingFailed) as failed:
+        soup_train(unlearn_config("steer", training={"max_steps": 3}), plugin=plugin_with(controllers=[Steer]))
+    text = failed.value.output
+    assert "Set beta = 0.5 at step 1" in text and "Set alpha = 0.0 at step 1" in text
+    assert "coefficient 'gamma', which the unlearn trainer does not have (it has: alpha, beta)" in text
