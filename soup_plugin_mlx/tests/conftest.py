@@ -1,10 +1,8 @@
-"""Shared fixtures: the tiny model (built once per session), an isolated SOUP_HOME per test, chat data,
-and ``run_backend``: one run on a named backend with every event captured."""
+"""Shared fixtures: the test kit (``soup_core.testing``: ``tiny_model``, and an isolated SOUP_HOME for every
+test), chat data, and ``run_backend``: one run on a named backend with every event captured."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -12,24 +10,13 @@ from typing import Any
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """The core's tiny Llama (hidden 64, 2 layers), cached under the session's SOUP_HOME (CI) or ~/.soup."""
-    from soup_core import tiny_model_dir
-
-    return tiny_model_dir()
+pytest_plugins = ["soup_core.testing"]
 
 
 @pytest.fixture(autouse=True)
-def soup_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path_factory.mktemp("soup_home")
-    monkeypatch.setenv("SOUP_HOME", str(home))
+def _isolated(soup_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test has its own SOUP_HOME, and 120 columns for the lines it reads."""
     monkeypatch.setenv("COLUMNS", "120")
-    return home
 
 
 def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -51,39 +38,12 @@ def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def write_data(tmp_path: Path) -> Callable[..., Path]:
+    from soup_core.testing import write_jsonl
+
     def write(n: int = 24, seed: int = 0, name: str = "data.jsonl") -> Path:
-        path = tmp_path / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(n, seed)), encoding="utf-8")
-        return path
+        return write_jsonl(tmp_path / name, chat_rows(n, seed))
 
     return write
-
-
-from soup_core import Recorder  # noqa: E402 - after the thread settings above
-
-
-class Capture(Recorder):
-    """A recorder that keeps every event (registered on the run's RunEvents directly)."""
-
-    name = "capture"
-
-    def __init__(self) -> None:
-        self.start: Any = None
-        self.micro: list[Any] = []
-        self.steps: list[Any] = []
-        self.end: Any = None
-
-    def on_run_start(self, event: Any) -> None:
-        self.start = event
-
-    def on_micro_batch(self, event: Any) -> None:
-        self.micro.append(event)
-
-    def on_optimizer_step(self, event: Any) -> None:
-        self.steps.append(event)
-
-    def on_run_end(self, event: Any) -> None:
-        self.end = event
 
 
 def yaml_config(base: Path, data_file: Path, output: Path, **sections: Any) -> str:
@@ -102,7 +62,7 @@ class Result:
     def __init__(
         self,
         summary: dict[str, Any],
-        capture: Capture,
+        capture: Any,
         metrics: list[tuple[int, dict[str, float]]],
         lines: list[str],
         output: Path,
@@ -131,7 +91,7 @@ def run_backend(tmp_path: Path, tiny_model: Path) -> Callable[..., Result]:
     from soup_core import build_training_list, load_config
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
-    from soup_core.testing import isolated_plugins
+    from soup_core.testing import EventRecorder, isolated_plugins
 
     counter = iter(range(1000))
 
@@ -153,7 +113,7 @@ def run_backend(tmp_path: Path, tiny_model: Path) -> Callable[..., Result]:
             config.data, formats=dict(plugins.data_formats.items()), base_dir=tmp_path, key="train"
         )
         task = plugins.tasks[config.task]()
-        capture = Capture()
+        capture = EventRecorder()
         metrics: list[tuple[int, dict[str, float]]] = []
         lines: list[str] = []
         events = RunEvents(
