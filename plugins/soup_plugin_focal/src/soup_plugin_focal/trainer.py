@@ -9,7 +9,7 @@ class FocalTrainer(SoupSFTTrainer):
     """Each supervised token's loss is ``-(1 - p)**gamma * log p``, ``p`` the probability of the right token:
     what the model already predicts well counts less. The core sums it per row for the run events."""
 
-    focal_gamma = 2.0
+    focal_gamma = 2
     soup_coefficients = ("focal_gamma",)  # a controller may change it during the run
 
     def soup_token_loss(self, outputs: Any, inputs: Any) -> Any:

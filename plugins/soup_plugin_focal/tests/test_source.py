@@ -1,0 +1,34 @@
+"""The plugin is the one ``docs/plugins.md`` shows (walk-through 2), in at most 60 lines of Python."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[1]
+DOCS = HERE.parents[1] / "docs" / "plugins.md"
+
+
+def shown(heading: str) -> str:
+    """The first code block under the walk-through-2 heading that names ``heading``."""
+    section = DOCS.read_text(encoding="utf-8").split("## Walk-through 2", 1)[1].split("\n## ", 1)[0]
+    after = section.split(f"(`{heading}`)", 1)[1]
+    return re.search(r"```\w*\n(.*?)```", after, re.S).group(1)
+
+
+@pytest.mark.skipif(not DOCS.is_file(), reason="docs/plugins.md is in the repository, not in this distribution")
+@pytest.mark.parametrize("path", ["src/soup_plugin_focal/plugin.py", "src/soup_plugin_focal/trainer.py"])
+def test_the_docs_show_the_source_as_it_is(path: str) -> None:
+    assert shown(path) == (HERE / path).read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(not DOCS.is_file(), reason="docs/plugins.md is in the repository, not in this distribution")
+def test_the_docs_show_the_distribution_as_it_is() -> None:
+    assert (HERE / "pyproject.toml").read_text(encoding="utf-8").startswith(shown("pyproject.toml"))
+
+
+def test_at_most_60_lines_of_python() -> None:
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (HERE / "src").rglob("*.py"))
+    assert 0 < lines <= 60
