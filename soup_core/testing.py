@@ -135,6 +135,9 @@ class EventLog:
 
     events: list[Any]
 
+    def __init__(self, events: Sequence[Any] = ()) -> None:
+        self.events = list(events)
+
     @property
     def starts(self) -> list[RunStart]:
         return [event for event in self.events if isinstance(event, RunStart)]

@@ -1,53 +1,34 @@
-"""Shared fixtures: an isolated SOUP_HOME, the tiny models, and ``rl_run`` — a real in-process ``soup train``
-whose trainer, micro-batches and run events the test can inspect afterwards.
+"""Shared fixtures: the test kit (``soup_core.testing``: ``tiny_model``, ``torch_one_thread``,
+``run_training``, and an isolated SOUP_HOME for every test), a tiny model that ends its completions, and
+``rl_run`` — a real in-process ``soup train`` whose trainer, micro-batches and run events the test can inspect
+afterwards.
 
 ``rl_run`` loads the built-ins, this plugin (through a capturing wrapper: every hook is the plugin's own,
 the tasks are subclasses whose ``build`` hands the built trainer to the test and records each training
-``compute_loss`` call with its inputs and forward outputs) and, when installed, the rewind plugin; it
-never reads the installed entry points, so an installed copy of this plugin is not loaded twice.
+``compute_loss`` call with its inputs and forward outputs) and, when asked, the rewind plugin; it never
+reads the installed entry points, so an installed copy of this plugin is not loaded twice.
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest_plugins = ["soup_core.testing"]
 
 
 @pytest.fixture(autouse=True)
-def soup_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path_factory.mktemp("soup_home")
-    monkeypatch.setenv("SOUP_HOME", str(home))
-    return home
+def _isolated(soup_home: Path) -> None:
+    """Every test has its own SOUP_HOME."""
 
 
 @pytest.fixture(scope="session")
-def torch_one_thread():
-    import torch
-
-    torch.set_num_threads(1)
-    return torch
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
-    """The core's tiny Llama (hidden 64, 2 layers) and tokenizer, built once per session."""
-    from soup_core import tiny_model_dir
-
-    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="session")
-def eos_model_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
+def eos_model_dir(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> Path:
     """The tiny model with its end-of-text logit raised, so sampled completions end at varied lengths (a
     random
     1000-token model almost never samples the end token in 8 steps): the end token's output row points along
@@ -56,8 +37,8 @@ def eos_model_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, torc
 
     torch = torch_one_thread
     out = tmp_path_factory.mktemp("eos-model")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
     texts = [f"Q{i}: what is {i} plus {i}? {2 * i} and then some more words" for i in range(8)]
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -115,19 +96,11 @@ ROWS_FOR = {
 
 
 @dataclass
-class Events:
-    starts: list[Any] = field(default_factory=list)
-    micro: list[Any] = field(default_factory=list)
-    steps: list[Any] = field(default_factory=list)
-    ends: list[Any] = field(default_factory=list)
-
-
-@dataclass
 class RunResult:
-    code: int
+    code: int  # soup train's exit code
     trainers: list[Any]
     calls: list[dict[str, Any]]  # one per training compute_loss: inputs, outputs (forward), loss
-    events: Events
+    events: Any  # the run's events (soup_core.testing.EventLog: .starts, .micro, .steps, .ends)
     output_dir: Path
 
     @property
@@ -167,9 +140,9 @@ def _wrap_compute_loss(trainer: Any, calls: list[dict[str, Any]]) -> None:
     trainer.compute_loss = compute_loss
 
 
-def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]], events: Events) -> Any:
-    """The rl plugin's own hooks, with task subclasses that hand over their trainer, and a recorder."""
-    from soup_core import Recorder, hookimpl
+def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]]) -> Any:
+    """The rl plugin's own hooks, with task subclasses that hand over their trainer."""
+    from soup_core import hookimpl
     from soup_plugin_rl import plugin as rl
 
     def capturing(task_cls: type) -> type:
@@ -182,21 +155,6 @@ def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]], events: E
 
         Capturing.__name__ = task_cls.__name__
         return Capturing
-
-    class ListRecorder(Recorder):
-        name = "rl-test-list"
-
-        def on_run_start(self, event):
-            events.starts.append(event)
-
-        def on_micro_batch(self, event):
-            events.micro.append(event)
-
-        def on_optimizer_step(self, event):
-            events.steps.append(event)
-
-        def on_run_end(self, event):
-            events.ends.append(event)
 
     class Plugin:
         SOUP_HOOK_API = rl.SOUP_HOOK_API
@@ -229,43 +187,24 @@ def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]], events: E
         def soup_register_controllers(self):
             return rl.soup_register_controllers()
 
-        @hookimpl
-        def soup_register_recorders(self):
-            return [ListRecorder]
-
     return Plugin()
 
 
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def use_plugins(
-    monkeypatch: pytest.MonkeyPatch,
-    trainers: list[Any],
-    calls: list[dict[str, Any]],
-    events: Events,
-    rewind: bool = False,
-) -> Any:
-    """Make ``soup_core.load_plugins()`` return the built-ins, the capturing rl plugin and (``rewind=True``)
-    the rewind plugin."""
-    import soup_core.plugins
-    from soup_core.testing import isolated_plugins
-
-    extra = [("rl", capturing_plugin(trainers, calls, events))]
+def rl_plugins(
+    trainers: list[Any], calls: list[dict[str, Any]], rewind: bool = False
+) -> list[tuple[str, Any]]:
+    """The capturing rl plugin and (``rewind=True``) the rewind plugin, as ``(name, plugin)`` pairs."""
+    extra = [("rl", capturing_plugin(trainers, calls))]
     if rewind:
-        rewind_plugin = pytest.importorskip("soup_plugin_rewind.plugin")
-        extra.append(("rewind", rewind_plugin))
-    plugins = isolated_plugins(*extra)
-    monkeypatch.setattr(soup_core.plugins, "load_plugins", lambda *a, **k: plugins)
-    return plugins
+        extra.append(("rewind", pytest.importorskip("soup_plugin_rewind.plugin")))
+    return extra
 
 
-def make_runner(root: Path, tiny_dir: Path) -> Callable[..., RunResult]:
-    """``run(task, rows=None, training={...}, data={...}, base=None, rewind=False, setup=None)``: a real
-    ``soup train`` (in-process, the CLI's own function) on the tiny model; returns what it captured.
-    ``setup(monkeypatch)`` may patch more for the duration of the run."""
+def make_runner(root: Path, tiny_model: Path) -> Callable[..., RunResult]:
+    """``run(task, rows=None, training={...}, data={...}, base=None, rewind=False, plugins=(), setup=None)``:
+    a real ``soup train`` (in-process, the CLI's own function) on the tiny model; returns what it captured.
+    ``plugins`` are more ``(name, plugin)`` pairs for the run; ``setup(monkeypatch)`` may patch more for the
+    duration of the run."""
     counter = {"n": 0}
 
     def run(
@@ -276,21 +215,20 @@ def make_runner(root: Path, tiny_dir: Path) -> Callable[..., RunResult]:
         data: dict[str, Any] | None = None,
         base: Path | None = None,
         rewind: bool = False,
+        plugins: Sequence[tuple[str, Any]] = (),
         setup: Callable[[pytest.MonkeyPatch], None] | None = None,
     ) -> RunResult:
-        import yaml
-
-        from soup_core.cli.train_cmd import run_train_command
+        from soup_core.testing import EventLog, TrainingFailed, train_in_process, write_jsonl
 
         counter["n"] += 1
         folder = root / f"run{counter['n']}"
         folder.mkdir(parents=True)
         write_jsonl(folder / "train.jsonl", rows if rows is not None else ROWS_FOR[task](8))
         config = {
-            "base": str(base or tiny_dir),
+            "base": str(base or tiny_model),
             "task": task,
             "output": str(folder / "out"),
-            "data": {"train": "train.jsonl", **(data or {})},
+            "data": {"train": str(folder / "train.jsonl"), **(data or {})},
             "training": {
                 "max_steps": 2,
                 "batch_size": 2,
@@ -301,34 +239,36 @@ def make_runner(root: Path, tiny_dir: Path) -> Callable[..., RunResult]:
         }
         if task in ("dpo", "ipo", "bco", "kto", "cpo", "simpo", "orpo"):
             config["data"].setdefault("max_length", 64)
-        (folder / "soup.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
         trainers: list[Any] = []
         calls: list[dict[str, Any]] = []
-        events = Events()
         with pytest.MonkeyPatch.context() as monkeypatch:
             monkeypatch.setenv("SOUP_HOME", str(root / "home"))
-            use_plugins(monkeypatch, trainers, calls, events, rewind=rewind)
             if setup is not None:
                 setup(monkeypatch)
-            code = run_train_command(folder / "soup.yaml", overrides={}, dry_run=False)
-        return RunResult(code, trainers, calls, events, folder / "out")
+            try:
+                run = train_in_process(config, workdir=folder, installed=False,
+                                       plugins=[*rl_plugins(trainers, calls, rewind), *plugins])
+                code, events = 0, run.events
+            except TrainingFailed as failed:  # the tests read soup train's message (capsys) and exit code
+                code, events = failed.exit_code, failed.events
+        return RunResult(code, trainers, calls, EventLog(events), folder / "out")
 
     return run
 
 
 @pytest.fixture
-def rl_run(tmp_path: Path, tiny_dir: Path, torch_one_thread) -> Callable[..., RunResult]:
+def rl_run(tmp_path: Path, tiny_model: Path, torch_one_thread) -> Callable[..., RunResult]:
     """A fresh ``soup train`` per call (see :func:`make_runner`)."""
-    return make_runner(tmp_path, tiny_dir)
+    return make_runner(tmp_path, tiny_model)
 
 
 @pytest.fixture(scope="session")
 def shared_run(
-    tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, torch_one_thread
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, torch_one_thread
 ) -> Callable[..., RunResult]:
     """Like ``rl_run``, but one run per distinct arguments for the whole session (tests that only inspect
     a run share it; a test that changes the trainer must use ``rl_run``)."""
-    runner = make_runner(tmp_path_factory.mktemp("shared-runs"), tiny_dir)
+    runner = make_runner(tmp_path_factory.mktemp("shared-runs"), tiny_model)
     cache: dict[str, RunResult] = {}
 
     def run(task: str, **kwargs: Any) -> RunResult:
@@ -345,17 +285,15 @@ def shared_run(
 
 
 @pytest.fixture
-def dry_run(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Callable[[Path], tuple[int, str]]:
-    """``dry_run(config_path)`` → (exit code, stdout + stderr) of ``soup train --dry-run`` with this
+def dry_run(run_training) -> Callable[[Path], tuple[int, str]]:
+    """``dry_run(config_path)`` → (exit code, what it printed) of ``soup train --dry-run`` with this
     plugin."""
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.testing import TrainingFailed
 
     def run(path: Path) -> tuple[int, str]:
-        use_plugins(monkeypatch, [], [], Events())
-        code = run_train_command(path, overrides={}, dry_run=True)
-        out = capsys.readouterr()
-        return code, out.out + out.err
+        try:
+            return 0, run_training(path, plugins=rl_plugins([], []), installed=False, dry_run=True).output
+        except TrainingFailed as failed:
+            return failed.exit_code, failed.output
 
     return run

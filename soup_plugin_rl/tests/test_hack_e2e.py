@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
-import yaml
 from annotated_types import Ge
 
 pytestmark = pytest.mark.slow
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TASK = "scripted_rl"
 
@@ -152,25 +147,13 @@ def make_plugin(script: dict[int, list[float]], trainers: list[Any]) -> Any:
 # ------------------------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-
-    from soup_core import tiny_model_dir
-
-    torch.set_num_threads(1)
-    return tiny_model_dir(tmp_path_factory.mktemp("hack-tiny"))
-
-
 @pytest.fixture
-def train(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch):
-    """``train(script, training)`` → (exit code, trainer, output dir, tracker record)."""
-    monkeypatch.setenv("SOUP_HOME", str(tmp_path / "home"))
+def train(tmp_path: Path, tiny_model: Path, torch_one_thread, run_training):
+    """``train(script, training)`` → (trainer, output dir, tracker record)."""
 
     def _train(script: dict[int, list[float]], training: dict[str, Any]):
         from soup_core import Tracker
-        from soup_core.cli.train_cmd import run_train_command
-        from soup_core.testing import registered_plugin
+        from soup_core.testing import write_jsonl
 
         rows = [
             {
@@ -181,22 +164,17 @@ def train(tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch):
             }
             for i in range(16)
         ]
-        (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         config = {
-            "base": str(tiny),
+            "base": str(tiny_model),
             "task": TASK,
             "output": str(tmp_path / "out"),
-            "data": {"train": "train.jsonl", "max_length": 64},
+            "data": {"train": str(write_jsonl(tmp_path / "train.jsonl", rows)), "max_length": 64},
             "training": {"batch_size": 2, "logging_steps": 1, "learning_rate": 5e-3, "beta": 0.1, **training},
         }
-        (tmp_path / "soup.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
         trainers: list[Any] = []
-        with registered_plugin("rlhack", make_plugin(script, trainers)):
-            code = run_train_command(tmp_path / "soup.yaml", overrides={}, dry_run=False)
-        assert len(trainers) == 1, f"exit code {code}"
-        runs = Tracker().list_runs()
-        assert len(runs) == 1
-        return code, trainers[0], tmp_path / "out", runs[0]
+        run = run_training(config, plugins=[("rlhack", make_plugin(script, trainers))], installed=False)
+        assert len(trainers) == 1
+        return trainers[0], tmp_path / "out", Tracker().get_run(run.run_id)
 
     return _train
 
@@ -212,7 +190,7 @@ def log_of(out: Path) -> list[dict[str, Any]]:
 def test_kl_control_steers_beta_on_the_live_trainer_along_the_laws_sequence(train):
     script = {1: HEALTHY, 2: HEALTHY, 3: HACKED, 4: HACKED, 5: HACKED, 6: HACKED, 7: MIDDLING}
     script.update({s: HEALTHY for s in range(8, 14)})
-    code, trainer, out, record = train(
+    trainer, out, record = train(
         script,
         {
             "max_steps": 13,
@@ -224,7 +202,7 @@ def test_kl_control_steers_beta_on_the_live_trainer_along_the_laws_sequence(trai
             "reward_hack_beta_ceil": 0.4,
         },
     )
-    assert code == 0 and record.status == "completed" and trainer.state.global_step == 13
+    assert record.status == "completed" and trainer.state.global_step == 13
     # The law by hand (trip 0.3, release 0.1, dwell 2, patience 2, gain 2, [0.025, 0.4]); drops per step:
     # 1 baseline · 2 ok 0 · 3 0.5 dwell 1 · 4 0.5 dwell 2 → trip ×2 · 5, 6 0.5 tripped ×2 (ceiling at 6) ·
     # 7 0.2 hold (counts reset) · 8 release 1 · 9 release 2 → ÷2 · 10, 11 → ÷2 · 12, 13 → ÷2
@@ -332,7 +310,7 @@ def test_pid_lagrangian_rolls_back_exactly_then_stops_with_a_postmortem(train, t
     torch, equal_state = torch_equal
     script = {1: HEALTHY, 2: HEALTHY, 3: HEALTHY}
     script.update({s: HACKED for s in range(4, 21)})
-    code, trainer, out, record = train(
+    trainer, out, record = train(
         script,
         {
             "max_steps": 20,
@@ -346,7 +324,7 @@ def test_pid_lagrangian_rolls_back_exactly_then_stops_with_a_postmortem(train, t
     # 6–7 hack → roll back again; 8–9 hack → recoveries spent: stop at step 9
     checkpoint = out / "checkpoint-2"
     assert trainer.soup_rollbacks == [str(checkpoint)] * 2
-    assert code == 0 and trainer.state.global_step == 9 and trainer.soup_stop_reason
+    assert trainer.state.global_step == 9 and trainer.soup_stop_reason
     assert record.status == "stopped"
     assert "reward hacking persisted after 2 recovery attempt(s)" in record.error
     assert [(r["step"], r["action"]) for r in log_of(out) if r["action"] in ("rollback", "stop")] == [

@@ -34,14 +34,8 @@ STREAM = {"stream_layers": True, "stream_source": "disk", "stream_buffers": 2}
 TIMING = ("runtime", "per_second")  # wall-clock numbers differ between any two runs
 
 
-def with_streaming(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Add the streaming plugin to the capturing rl plugin set that ``rl_run`` installed."""
-    import soup_core.plugins
-    from soup_core.testing import isolated_plugins
-
-    rl = soup_core.plugins.load_plugins().pm.get_plugin("rl")
-    plugins = isolated_plugins(("rl", rl), ("streaming", streaming_plugin))
-    monkeypatch.setattr(soup_core.plugins, "load_plugins", lambda *a, **k: plugins)
+#: the streaming plugin, beside the capturing rl plugin that ``rl_run`` installs
+WITH_STREAMING = [("streaming", streaming_plugin)]
 
 
 def _logs(result: Any) -> list[dict[str, Any]]:
@@ -101,7 +95,7 @@ def test_streamed_run_equals_the_resident_run_bit_for_bit(shared_run, task, dtyp
     import torch
 
     training = {**TRAINING, "dtype": dtype}
-    streamed = shared_run(task, training={**training, **STREAM}, data=DATA, setup=with_streaming)
+    streamed = shared_run(task, training={**training, **STREAM}, data=DATA, plugins=WITH_STREAMING)
     resident = shared_run(task, training=training, data=DATA)
     _check_streamed(streamed)
     assert resident.code == 0 and not hasattr(resident.trainer.model, "soup_streaming")
@@ -125,12 +119,12 @@ def _nudged_copy(source: Path, dest: Path) -> Path:
     return dest
 
 
-def test_control_one_float_step_in_one_base_weight_matrix_is_seen(shared_run, tiny_dir, tmp_path_factory):
+def test_control_one_float_step_in_one_base_weight_matrix_is_seen(shared_run, tiny_model, tmp_path_factory):
     import torch
 
-    nudged = _nudged_copy(tiny_dir, tmp_path_factory.mktemp("nudged") / "model")
+    nudged = _nudged_copy(tiny_model, tmp_path_factory.mktemp("nudged") / "model")
     streamed = shared_run(
-        "dpo", training={**TRAINING, **STREAM}, data=DATA, setup=with_streaming, base=nudged
+        "dpo", training={**TRAINING, **STREAM}, data=DATA, plugins=WITH_STREAMING, base=nudged
     )
     resident = shared_run("dpo", training=TRAINING, data=DATA)
     _check_streamed(streamed)
@@ -145,7 +139,7 @@ def test_control_one_float_step_in_one_base_weight_matrix_is_seen(shared_run, ti
             assert f"step {step} {kind} log-probs" in found, found
 
 
-def test_a_pre_trained_adapter_on_a_streamed_model_is_refused(tiny_dir, tmp_path, torch_one_thread):
+def test_a_pre_trained_adapter_on_a_streamed_model_is_refused(tiny_model, tmp_path, torch_one_thread):
     """trl keeps a copy of a pre-trained adapter as the reference; on a streamed model PEFT puts that copy on
     the meta device (the base layers' device), so it is refused by name instead of failing mid-step."""
     from types import SimpleNamespace
@@ -163,15 +157,15 @@ def test_a_pre_trained_adapter_on_a_streamed_model_is_refused(tiny_dir, tmp_path
                 params[name.replace(".default.", ".ref.")].data.copy_(param.data)
         return SimpleNamespace(model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m))
 
-    fresh, _ = testing.streamed(tiny_dir, tmp_path)
+    fresh, _ = testing.streamed(tiny_model, tmp_path)
     line = use_disabled_adapters_as_reference(with_trl_copy(fresh), print)
     assert "adapter disabled" in line and list(fresh.peft_config) == ["default"]
-    trained, _ = testing.streamed(tiny_dir, tmp_path)
+    trained, _ = testing.streamed(tiny_model, tmp_path)
     assert testing.randomize_lora_b([trained]) > 0
     with pytest.raises(BackendError, match="cannot live in a model whose base layers are streamed"):
         use_disabled_adapters_as_reference(with_trl_copy(trained), print)
     # control: the same pre-trained adapter on the resident model keeps trl's copy
-    resident = testing.resident(tiny_dir)
+    resident = testing.resident(tiny_model)
     testing.randomize_lora_b([resident])
     said: list[str] = []
     line = use_disabled_adapters_as_reference(with_trl_copy(resident), said.append)
@@ -188,7 +182,7 @@ def test_tasks_without_the_streamable_capability_are_refused(rl_run, capsys, tmp
     streamable = sorted(t.name for t in ALL if "streamable" in t.capabilities)
     assert streamable == ["bco", "dpo", "ipo"]
     # soup train: the support table already refuses the streaming fields for kto, before anything loads
-    result = rl_run("kto", training={"stream_layers": True}, setup=with_streaming)
+    result = rl_run("kto", training={"stream_layers": True}, plugins=WITH_STREAMING)
     out = capsys.readouterr()
     assert result.code == 1 and result.trainers == []
     expected = "training.stream_layers: not honoured by backend 'transformers' with task 'kto'"
