@@ -17,6 +17,7 @@ The helpers need no pytest:
   reading the installed entry points, so a test sees exactly the plugins it names.
 - :func:`registered_plugin` makes ``soup_core.load_plugins()`` (and so the CLI) include a plugin object
   for the duration of a ``with`` block.
+- :func:`plugin_from` makes a plugin object from another, with hooks left out, added or replaced.
 - :func:`train_in_process` is what ``run_training`` calls, for runners of a wider scope (a session fixture).
 - :func:`make_distribution` lays out a real installed distribution (``.dist-info`` with ``METADATA`` and
   ``entry_points.txt``, plus its modules) in a folder, as pip would in site-packages, so entry-point
@@ -36,7 +37,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,24 @@ def registered_plugin(name: str, plugin: Any, *, entry_points: bool = False) -> 
 
     with serving(build_plugin_set(extra=[(name, plugin)], entry_points=entry_points)) as plugin_set:
         yield plugin_set
+
+
+def plugin_from(base: Any, *, leave_out: Iterable[str] = (), **hooks: Callable[..., Any]) -> Any:
+    """A plugin object made from ``base`` (a plugin module or object): its ``SOUP_HOOK_API`` and hook
+    implementations, less the hooks named in ``leave_out``, with ``hooks`` (hook name → function) added or put
+    in place of its own. For a test that wraps the plugin under test (to capture what its tasks build, to add
+    a recorder, to leave out its pre-flight)."""
+    import types
+
+    from soup_core import hookimpl
+
+    plugin = types.SimpleNamespace(SOUP_HOOK_API=base.SOUP_HOOK_API)
+    for name in dir(base):
+        if name.startswith("soup_") and name not in leave_out and callable(getattr(base, name)):
+            setattr(plugin, name, getattr(base, name))
+    for name, function in hooks.items():
+        setattr(plugin, name, hookimpl(function))
+    return plugin
 
 
 def plugins_with(extra: Sequence[tuple[str, Any]], *, installed: bool = True) -> PluginSet:

@@ -139,6 +139,42 @@ def test_a_dry_run_plans_without_training(run_training, config) -> None:
     assert not result.output_dir.exists()
 
 
+def test_plugin_from_leaves_out_adds_and_replaces_hooks() -> None:
+    from soup_core import PreflightReport, Recorder, hookimpl
+    from soup_core.testing import isolated_plugins, plugin_from
+
+    class Mine(Recorder):
+        name = "mine"
+
+    class Theirs(Recorder):
+        name = "theirs"
+
+    class Base:
+        SOUP_HOOK_API = (1, 1)
+
+        @hookimpl
+        def soup_preflight(self, config):
+            return PreflightReport(refusal="never")
+
+        @hookimpl
+        def soup_register_recorders(self):
+            return [Mine]
+
+    def hooked(plugins, hook: str) -> list[str]:
+        return [impl.plugin_name for impl in getattr(plugins.pm.hook, hook).get_hookimpls()]
+
+    base = isolated_plugins(("base", Base()))  # control: the base plugin as it is
+    assert "base" in hooked(base, "soup_preflight") and "mine" in base.recorders
+    derived = isolated_plugins(("derived", plugin_from(
+        Base(), leave_out=["soup_preflight"], soup_register_recorders=lambda: [Theirs],
+        soup_register_controllers=lambda: [],
+    )))
+    assert derived.plugins["derived"].status == "ok"
+    assert "derived" not in hooked(derived, "soup_preflight")
+    assert "theirs" in derived.recorders and "mine" not in derived.recorders
+    assert "derived" in hooked(derived, "soup_register_controllers")
+
+
 def docs_example() -> tuple[str, str]:
     """The conftest line and the example test of docs/plugins.md, section "4. Testing a plugin"."""
     text = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")

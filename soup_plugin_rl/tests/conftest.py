@@ -142,7 +142,7 @@ def _wrap_compute_loss(trainer: Any, calls: list[dict[str, Any]]) -> None:
 
 def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]]) -> Any:
     """The rl plugin's own hooks, with task subclasses that hand over their trainer."""
-    from soup_core import hookimpl
+    from soup_core.testing import plugin_from
     from soup_plugin_rl import plugin as rl
 
     def capturing(task_cls: type) -> type:
@@ -156,38 +156,7 @@ def capturing_plugin(trainers: list[Any], calls: list[dict[str, Any]]) -> Any:
         Capturing.__name__ = task_cls.__name__
         return Capturing
 
-    class Plugin:
-        SOUP_HOOK_API = rl.SOUP_HOOK_API
-
-        @hookimpl
-        def soup_register_tasks(self):
-            return [capturing(t) for t in rl.soup_register_tasks()]
-
-        @hookimpl
-        def soup_register_data_formats(self):
-            return rl.soup_register_data_formats()
-
-        @hookimpl
-        def soup_register_config_fields(self):
-            return rl.soup_register_config_fields()
-
-        @hookimpl
-        def soup_register_support(self):
-            return rl.soup_register_support()
-
-        @hookimpl
-        def soup_register_probes(self):
-            return rl.soup_register_probes()
-
-        @hookimpl
-        def soup_preflight(self, config):
-            return rl.soup_preflight(config)
-
-        @hookimpl
-        def soup_register_controllers(self):
-            return rl.soup_register_controllers()
-
-    return Plugin()
+    return plugin_from(rl, soup_register_tasks=lambda: [capturing(t) for t in rl.soup_register_tasks()])
 
 
 def rl_plugins(

@@ -4,7 +4,6 @@ SOUP_HOME for every test, so no test touches ~/.soup), tiny models built once pe
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,14 +43,9 @@ def distill_plugins(with_rewind: bool = True, preflight: bool = True) -> list[tu
     """The distill plugin (without its pre-flight hook when ``preflight=False``, to reach the checks made at
     set-up) and, when installed and asked for, the rewind plugin: ``(name, plugin)`` pairs."""
     import soup_plugin_distill.plugin as distill
+    from soup_core.testing import plugin_from
 
-    plugin: Any = distill
-    if not preflight:
-        plugin = types.ModuleType("distill_without_preflight")
-        for name in dir(distill):
-            if name == "SOUP_HOOK_API" or (name.startswith("soup_") and name != "soup_preflight"):
-                setattr(plugin, name, getattr(distill, name))
-    pairs = [("distill", plugin)]
+    pairs = [("distill", distill if preflight else plugin_from(distill, leave_out=["soup_preflight"]))]
     if with_rewind:
         try:
             import soup_plugin_rewind.plugin as rewind

@@ -6,7 +6,6 @@ installed plugin.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,10 @@ PROBES: list[Callable[[Any], None]] = []
 
 
 def make_plugin(*, tasks: list[type] = (), support: list[Any] = (), controllers: list[type] = ()) -> Any:
-    """This plugin's hooks, plus a recorder that calls the micro-batch probes and any extra tasks, support
-    rows and controllers, as one plugin object."""
-    from soup_core import Recorder, hookimpl
+    """This plugin, plus a recorder that calls the micro-batch probes and any extra tasks, support rows and
+    controllers."""
+    from soup_core import Recorder
+    from soup_core.testing import plugin_from
     from soup_plugin_unlearn import plugin as unlearn
 
     class Probing(Recorder):
@@ -42,32 +42,13 @@ def make_plugin(*, tasks: list[type] = (), support: list[Any] = (), controllers:
             for probe in PROBES:
                 probe(event)
 
-    ns = types.SimpleNamespace(SOUP_HOOK_API=unlearn.SOUP_HOOK_API)
-    for name in dir(unlearn):
-        if name.startswith("soup_") and callable(getattr(unlearn, name)):
-            setattr(ns, name, getattr(unlearn, name))
-
-    @hookimpl
-    def soup_register_recorders() -> list[type]:
-        return [Probing]
-
-    @hookimpl
-    def soup_register_tasks() -> list[type]:
-        return [*unlearn.soup_register_tasks(), *tasks]
-
-    @hookimpl
-    def soup_register_support() -> list[Any]:
-        return [*unlearn.soup_register_support(), *support]
-
-    @hookimpl
-    def soup_register_controllers() -> list[type]:
-        return list(controllers)
-
-    ns.soup_register_recorders = soup_register_recorders
-    ns.soup_register_controllers = soup_register_controllers
-    ns.soup_register_tasks = soup_register_tasks
-    ns.soup_register_support = soup_register_support
-    return ns
+    return plugin_from(
+        unlearn,
+        soup_register_recorders=lambda: [Probing],
+        soup_register_tasks=lambda: [*unlearn.soup_register_tasks(), *tasks],
+        soup_register_support=lambda: [*unlearn.soup_register_support(), *support],
+        soup_register_controllers=lambda: list(controllers),
+    )
 
 
 @pytest.fixture
