@@ -1,29 +1,12 @@
-"""A test kit for plugin authors (and for Soup's own tests): helpers, and a pytest plugin.
+"""A test kit for plugin authors (and for Soup's own tests): a pytest plugin, and helpers that need no pytest.
 
-Enable the fixtures with one line in a test suite's ``conftest.py``::
-
-    pytest_plugins = ["soup_core.testing"]
-
-- ``soup_home``: a fresh ``SOUP_HOME`` folder for the test (and the subprocesses it starts).
-- ``torch_one_thread`` (session): torch, set to one intra-op thread.
-- ``tiny_model`` (session): a local folder with a tiny Llama and a tokenizer with a chat template, built once,
-  nothing downloaded (:mod:`soup_core.tiny`).
-- ``run_training``: ``run_training(config, plugins=...)`` trains in-process through ``soup train``'s own code
-  and returns a :class:`TrainingResult` with the run's events.
-
-The helpers need no pytest:
-
-- :func:`isolated_plugins` builds a plugin set with the built-ins and the plugin objects you pass, without
-  reading the installed entry points, so a test sees exactly the plugins it names.
-- :func:`registered_plugin` makes ``soup_core.load_plugins()`` (and so the CLI) include a plugin object
-  for the duration of a ``with`` block.
-- :func:`plugin_from` makes a plugin object from another, with hooks left out, added or replaced.
-- :func:`train_in_process` is what ``run_training`` calls, for runners of a wider scope (a session fixture).
-- :func:`make_distribution` lays out a real installed distribution (``.dist-info`` with ``METADATA`` and
-  ``entry_points.txt``, plus its modules) in a folder, as pip would in site-packages, so entry-point
-  discovery can be tested for real: put the folder on ``sys.path`` (or ``PYTHONPATH`` for a subprocess).
-- :func:`run_soup` runs the ``soup`` CLI in a fresh subprocess.
-- :func:`write_jsonl` and :func:`write_yaml` write a data file and a config.
+Enable the fixtures with one line in a test suite's top-level ``conftest.py``:
+``pytest_plugins = ["soup_core.testing"]``. They are ``soup_home`` (a fresh ``SOUP_HOME``), ``tiny_model``
+(session: a tiny local Llama and tokenizer), ``torch_one_thread`` (session) and ``run_training`` (one
+in-process ``soup train``, returning a :class:`TrainingResult` with the run's events). The helpers build plugin
+sets (:func:`isolated_plugins`, :func:`registered_plugin`, :func:`plugin_from`), train (:func:`train_in_process`),
+lay out an installed distribution (:func:`make_distribution`), run the CLI in a subprocess (:func:`run_soup`) and
+write files (:func:`write_jsonl`, :func:`write_yaml`). docs/plugins.md, "4. Testing a plugin", shows them in use.
 
 Importing this module imports the core's contracts and nothing heavy (no torch, transformers, peft, trl,
 datasets, mlx, nor the plugin manager): every fixture and helper imports what it needs when it runs.
@@ -63,7 +46,8 @@ RECORDER_PLUGIN = "soup-testing"
 def isolated_plugins(
     *plugins: tuple[str, Any], builtins: bool = True, entry_points: bool = False, strict: bool = False
 ) -> PluginSet:
-    """A fresh plugin set: the built-ins (unless ``builtins=False``) plus ``(name, plugin)`` pairs."""
+    """A fresh plugin set: the built-ins (unless ``builtins=False``) plus ``(name, plugin)`` pairs, and no
+    installed plugin unless ``entry_points=True``, so a test sees exactly the plugins it names."""
     from soup_core.plugins.manager import build_plugin_set
 
     return build_plugin_set(extra=list(plugins), builtins=builtins, entry_points=entry_points, strict=strict)
@@ -398,7 +382,8 @@ def make_distribution(
 ) -> Path:
     """Write an installed distribution into ``site_dir``: its modules (relative path → source) and a
     ``NAME-VERSION.dist-info`` whose ``entry_points.txt`` lists ``entry_points`` (plugin name →
-    module) in the ``soup`` group. Returns the dist-info folder."""
+    module) in the ``soup`` group. Returns the dist-info folder. Discovery finds it once ``site_dir`` is on
+    ``sys.path`` (for a subprocess: ``run_soup(..., extra_path=[site_dir])``)."""
     site = Path(site_dir)
     site.mkdir(parents=True, exist_ok=True)
     for rel, source in (modules or {}).items():
