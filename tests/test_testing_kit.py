@@ -175,6 +175,25 @@ def test_plugin_from_leaves_out_adds_and_replaces_hooks() -> None:
     assert "derived" in hooked(derived, "soup_register_controllers")
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_one_thread_is_set_before_test_modules_import_torch(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, enabled: bool
+) -> None:
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.delenv(name, raising=False)
+    pytester.makeconftest('pytest_plugins = ["soup_core.testing"]' if enabled else "")  # control: without it
+    pytester.makepyfile(test_threads="""
+        import os
+
+        AT_IMPORT = os.environ.get("OMP_NUM_THREADS")  # what torch would read if imported here
+
+        def test_one_thread():
+            assert AT_IMPORT == "1"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=int(enabled), failed=int(not enabled))
+
+
 def docs_example() -> tuple[str, str]:
     """The conftest line and the example test of docs/plugins.md, section "4. Testing a plugin"."""
     text = (REPO / "docs" / "plugins.md").read_text(encoding="utf-8")
