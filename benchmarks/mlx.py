@@ -135,7 +135,7 @@ def tokens_per_second(held: list[float], step_tokens: int, warmup: int) -> float
 
 def soup_arm(config: Path, output: Path, baton: Baton) -> None:
     """One ``soup train --backend mlx`` run, taking the baton before every optimizer step."""
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_plugin_mlx import trainer
 
     original = trainer.MLXRun._optimizer_step

@@ -63,7 +63,7 @@ def recorder_overhead(rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     import transformers
 
     import soup_plugin_rewind.plugin as rewind_plugin
-    from soup_core.tiny import tiny_model_dir
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     torch.set_num_threads(1)
     datasets.disable_progress_bars()

@@ -130,7 +130,7 @@ def run_soup(base: Path, folder: Path, steps: int) -> float:
     import yaml
 
     import soup_core.plugins
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_core.testing import isolated_plugins
     from soup_plugin_rl import plugin as rl
     from soup_plugin_rl.tasks import GRPOTask

@@ -401,10 +401,10 @@ def preimport() -> None:
         "soup_core.config",
         "soup_core.tracker",
         "soup_core.testing",
-        "soup_core.backends.transformers.backend",
-        "soup_core.backends.transformers.trainer",
-        "soup_core.backends.transformers.loading",
-        "soup_core.tasks.sft",
+        "soup_core.default_plugins.transformers.backend",
+        "soup_core.default_plugins.transformers.trainer",
+        "soup_core.default_plugins.transformers.loading",
+        "soup_core.default_plugins.sft",
     ):
         importlib.import_module(name)
     from peft import LoraConfig  # noqa: F401 - resolves peft's lazy names
@@ -519,7 +519,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     preimport()
-    from soup_core.tiny import tiny_model_dir
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -303,7 +303,7 @@ def train_in_process(
     """
     import yaml
 
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
 
     folder = _next_folder(Path(workdir))
     overrides = dict(overrides or {})
@@ -474,7 +474,7 @@ def torch_one_thread() -> Any:
 def tiny_model(tmp_path_factory: Any) -> Path:
     """A folder with a tiny causal LM (a random Llama: hidden 64, 2 layers) and a locally trained tokenizer
     with a chat template; ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it. Built once per session."""
-    from soup_core.tiny import tiny_model_dir
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("soup-tiny"))
 

@@ -40,13 +40,14 @@ def sft_run(tmp_path: Path, tiny_model: Path):
     ``(prepared_run, recorder)`` for the built-in transformers backend and sft task, with a validated
     config, the real data pipeline and the model loaded through the backend's model-loading hook; the
     recorder is an ``EventRecorder`` (``.starts``, ``.micro``, ``.steps``, ``.ends``)."""
-    from soup_core.backends.transformers import TransformersBackend
-    from soup_core.backends.transformers import plugin as backend_plugin
     from soup_core.config import validate_config
-    from soup_core.data import BUILTIN_FORMATS, build_training_list
+    from soup_core.data import build_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
+    from soup_core.default_plugins.sft import SFTTask
+    from soup_core.default_plugins.transformers import TransformersBackend
+    from soup_core.default_plugins.transformers import plugin as backend_plugin
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
-    from soup_core.tasks import SFTTask
     from soup_core.testing import EventRecorder, write_jsonl
 
     counter = {"n": 0}

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from soup_core.cli import runs as runs_cli
-from soup_core.cli.runs import runs_app
+from soup_core.default_plugins.commands import runs as runs_cli
+from soup_core.default_plugins.commands.runs import runs_app
 from soup_core.tracker import RunStopped, Tracker, tracked_run
 
 runner = CliRunner()

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from soup_core.data import (
-    BUILTIN_FORMATS,
     TrainingList,
     build_training_list,
     fingerprint_rows,
@@ -21,6 +20,7 @@ from soup_core.data import (
     split_indices,
     summarize,
 )
+from soup_core.default_plugins.formats import BUILTIN_FORMATS
 
 FORMATS = {f.name: f for f in BUILTIN_FORMATS}
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_summary_singular_and_skipped() -> None:
 
 def test_import_is_light() -> None:
     code = (
-        "import sys, soup_core.data, soup_core.data.plugin\n"
+        "import sys, soup_core.data, soup_core.default_plugins.formats\n"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'pyarrow', 'numpy', 'pandas') "
         "if m in sys.modules]\n"
         "print(','.join(heavy))\n"

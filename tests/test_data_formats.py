@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from soup_core.data import BUILTIN_FORMATS, DataError, alpaca_prompt, build_training_list, summarize
+from soup_core.data import DataError, build_training_list, summarize
+from soup_core.default_plugins.formats import BUILTIN_FORMATS, alpaca_prompt
 
 FORMATS = {f.name: f for f in BUILTIN_FORMATS}
 
@@ -297,7 +298,7 @@ def test_plugin_module_registers_the_builtin_formats() -> None:
     import pluggy
 
     from soup_core import hookspecs
-    from soup_core.data import plugin
+    from soup_core.default_plugins import formats as plugin
 
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from soup_core import doctor as doctor_cmd
-from soup_core.doctor import (
+from soup_core.default_plugins.commands import doctor as doctor_cmd
+from soup_core.default_plugins.commands.doctor import (
     MISSING,
     NOT_APPLICABLE,
     OK,
@@ -177,7 +177,7 @@ def test_devices_on_this_cpu_machine() -> None:
 
 
 def test_doctor_is_a_core_command_and_imports_light() -> None:
-    code = ("import sys; import soup_core.cli.doctor_cmd; "
+    code = ("import sys; import soup_core.default_plugins.commands.doctor_cmd; "
             "print(sorted(m for m in ('torch', 'transformers', 'packaging', 'mlx') if m in sys.modules))")
     proc = run_soup([], timeout=60)  # the help lists the command
     assert "doctor" in proc.stdout + proc.stderr

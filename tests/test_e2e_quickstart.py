@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from soup_core.quickstart import POISONED_ROW
+from soup_core.default_plugins.commands.quickstart import POISONED_ROW
 from soup_core.testing import run_soup
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from soup_core.cli.init_cmd import TEMPLATES, init
 from soup_core.config import load_config
+from soup_core.default_plugins.commands.init_cmd import TEMPLATES, init
 
 runner = CliRunner()
 

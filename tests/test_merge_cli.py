@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from soup_core.cli.merge_cmd import merge
+from soup_core.default_plugins.commands.merge_cmd import merge
 
 runner = CliRunner()
 

@@ -22,13 +22,14 @@ SCRIPT = textwrap.dedent(
     import torch
 
     torch.set_num_threads(1)
-    from soup_core.backends.transformers import TransformersBackend
-    from soup_core.backends.transformers import plugin as backend_plugin
+    from soup_core.default_plugins.transformers import TransformersBackend
+    from soup_core.default_plugins.transformers import plugin as backend_plugin
     from soup_core.config import validate_config
-    from soup_core.data import BUILTIN_FORMATS, build_training_list
+    from soup_core.data import build_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
-    from soup_core.tasks import SFTTask
+    from soup_core.default_plugins.sft import SFTTask
 
     model_dir, data_file, out, result = sys.argv[1:5]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

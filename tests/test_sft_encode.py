@@ -28,7 +28,7 @@ CHAT = {
 
 
 def test_chat_trains_on_assistant_turns_only(tokenizer):
-    from soup_core.tasks.sft import encode_example
+    from soup_core.default_plugins.sft import encode_example
 
     ids, labels = encode_example(CHAT, tokenizer, max_length=256)
     assert _trained_text(tokenizer, ids, labels) == "first answer<|end|>second answer<|end|>"
@@ -40,7 +40,7 @@ def test_chat_mask_without_generation_markers_matches_the_marked_template(tokeni
     """Templates without {% generation %} are masked by rendering prefixes; same result here."""
     import copy
 
-    from soup_core.tasks.sft import encode_example, has_generation_markers
+    from soup_core.default_plugins.sft import encode_example, has_generation_markers
 
     plain = copy.deepcopy(tokenizer)
     plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
@@ -51,7 +51,7 @@ def test_chat_mask_without_generation_markers_matches_the_marked_template(tokeni
 def test_chat_prefix_mask_refuses_a_template_that_rewrites_history(tokenizer):
     import copy
 
-    from soup_core.tasks.sft import EncodingError, encode_example
+    from soup_core.default_plugins.sft import EncodingError, encode_example
 
     odd = copy.deepcopy(tokenizer)
     # renders the number of messages first, so a prefix of the conversation is not a prefix of its text
@@ -61,7 +61,7 @@ def test_chat_prefix_mask_refuses_a_template_that_rewrites_history(tokenizer):
 
 
 def test_prompt_completion_trains_on_the_completion_and_eos(tokenizer):
-    from soup_core.tasks.sft import encode_example
+    from soup_core.default_plugins.sft import encode_example
 
     row = {"prompt": "Translate: cat ->", "completion": " chat"}
     ids, labels = encode_example(row, tokenizer, max_length=256)
@@ -72,14 +72,14 @@ def test_prompt_completion_trains_on_the_completion_and_eos(tokenizer):
 
 
 def test_text_trains_on_everything_and_ends_with_eos(tokenizer):
-    from soup_core.tasks.sft import encode_example
+    from soup_core.default_plugins.sft import encode_example
 
     ids, labels = encode_example({"text": "def f(x): return x"}, tokenizer, max_length=256)
     assert labels == ids and ids[-1] == tokenizer.eos_token_id
 
 
 def test_truncation_keeps_rows_even_without_trained_tokens(tokenizer):
-    from soup_core.tasks.sft import encode_rows
+    from soup_core.default_plugins.sft import encode_rows
 
     long_prompt = {"prompt": "word " * 200, "completion": "answer"}
     rows = encode_rows([{"text": "short"}, long_prompt], tokenizer, max_length=16)
@@ -89,7 +89,7 @@ def test_truncation_keeps_rows_even_without_trained_tokens(tokenizer):
 
 
 def test_unknown_example_shape_is_refused_with_its_row(tokenizer):
-    from soup_core.tasks.sft import EncodingError, encode_rows
+    from soup_core.default_plugins.sft import EncodingError, encode_rows
 
     with pytest.raises(EncodingError, match="training row 1: .*keys chosen, prompt"):
         encode_rows([{"text": "ok"}, {"prompt": "p", "chosen": "c"}], tokenizer, max_length=16)
@@ -98,7 +98,7 @@ def test_unknown_example_shape_is_refused_with_its_row(tokenizer):
 def test_chat_rows_need_a_chat_template(tokenizer):
     import copy
 
-    from soup_core.tasks.sft import EncodingError, encode_example
+    from soup_core.default_plugins.sft import EncodingError, encode_example
 
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
@@ -107,8 +107,8 @@ def test_chat_rows_need_a_chat_template(tokenizer):
 
 
 def test_sft_task_declares_its_contract():
-    from soup_core.tasks import SFTTask
-    from soup_core.tasks import plugin as task_plugin
+    from soup_core.default_plugins import sft as task_plugin
+    from soup_core.default_plugins.sft import SFTTask
 
     assert task_plugin.soup_register_tasks() == [SFTTask]
     assert task_plugin.SOUP_HOOK_API == (1, 1)

@@ -193,7 +193,7 @@ def test_packed_row_losses_equal_unpacked_ones(sft_run, make_chat_rows):
 
 
 def test_per_row_work_is_skipped_without_recorders(sft_run, make_chat_rows, monkeypatch):
-    import soup_core.backends.transformers.trainer as trainer_module
+    import soup_core.default_plugins.transformers.trainer as trainer_module
 
     calls = []
     real = trainer_module.row_sums

@@ -222,8 +222,8 @@ def case_training_resume_from(sft_run, rows, tmp_path):
 
 
 def case_training_report_to(sft_run, rows, tmp_path):
-    from soup_core.backends.transformers import BackendError
-    from soup_core.backends.transformers import backend as backend_module
+    from soup_core.default_plugins.transformers import BackendError
+    from soup_core.default_plugins.transformers import backend as backend_module
 
     with pytest.raises(BackendError, match="pip install tensorboard"):
         sft_run(rows(8), training={"report_to": ["tensorboard"]})
@@ -247,7 +247,7 @@ CASES = {
 
 
 def test_every_honoured_field_has_a_case():
-    from soup_core.backends.transformers import HONOURED_FIELDS
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     assert set(CASES) == set(HONOURED_FIELDS)
 
@@ -258,7 +258,7 @@ def test_field_changes_the_run(field, sft_run, make_chat_rows, tmp_path):
 
 
 def test_support_row_and_hooks_are_registered():
-    from soup_core.backends.transformers import HONOURED_FIELDS, TransformersBackend, plugin
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS, TransformersBackend, plugin
 
     assert plugin.SOUP_HOOK_API == (1, 1)
     assert plugin.soup_register_backends() == [TransformersBackend]

@@ -205,8 +205,8 @@ def test_rollback_restores_the_checkpoint(sft_run, make_chat_rows, tmp_path, tor
 
 
 def test_unknown_coefficient_fails_the_run_with_a_clear_message(sft_run, make_chat_rows):
-    from soup_core.backends.transformers import BackendError
     from soup_core.contracts import SetCoefficient
+    from soup_core.default_plugins.transformers import BackendError
 
     run, recorder = sft_run(make_chat_rows(8), controllers=[_Controller({1: [SetCoefficient("beta", 0.2)]})])
     with pytest.raises(BackendError, match="coefficient 'beta'"):
@@ -254,7 +254,7 @@ def test_progress_bar_on_a_tty_prints_no_lines():
 
     from rich.console import Console
 
-    from soup_core.backends.transformers.progress import ProgressDisplay
+    from soup_core.default_plugins.transformers.progress import ProgressDisplay
 
     lines: list[str] = []
     buffer = io.StringIO()
@@ -273,7 +273,7 @@ def test_merge_adapter_writes_a_plain_model(sft_run, make_chat_rows, tiny_model_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from soup_core.backends.transformers import BackendError, merge_adapter
+    from soup_core.default_plugins.transformers import BackendError, merge_adapter
 
     run, _ = sft_run(make_chat_rows(8), training={"max_steps": 2, "learning_rate": 5e-3})
     out = Path(run.run()["output_dir"])
@@ -290,7 +290,7 @@ def test_merge_adapter_writes_a_plain_model(sft_run, make_chat_rows, tiny_model_
 
 
 def test_bad_model_inputs_get_one_clear_message(sft_run, make_chat_rows, tmp_path):
-    from soup_core.backends.transformers import BackendError
+    from soup_core.default_plugins.transformers import BackendError
 
     with pytest.raises(BackendError, match="does not exist"):
         sft_run(make_chat_rows(4), base=str(tmp_path / "no-such-model"))

@@ -29,7 +29,7 @@ def test_builds_are_deterministic(tmp_path, torch_one_thread):
     torch = torch_one_thread
     from safetensors.torch import load_file
 
-    from soup_core.tiny import build_tiny_model
+    from soup_core.default_plugins.transformers.tiny import build_tiny_model
 
     a = build_tiny_model(tmp_path / "a")
     b = build_tiny_model(tmp_path / "b")
@@ -44,7 +44,7 @@ def test_builds_are_deterministic(tmp_path, torch_one_thread):
 def test_other_architectures(tmp_path, torch_one_thread):
     from transformers import AutoModelForCausalLM
 
-    from soup_core.tiny import build_tiny_model
+    from soup_core.default_plugins.transformers.tiny import build_tiny_model
 
     path = build_tiny_model(tmp_path / "q", arch="qwen2", hidden=32, layers=1)
     assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "qwen2"
@@ -53,7 +53,7 @@ def test_other_architectures(tmp_path, torch_one_thread):
 
 
 def test_cached_under_soup_home_and_built_once(tmp_path, monkeypatch, torch_one_thread):
-    import soup_core.tiny as tiny
+    import soup_core.default_plugins.transformers.tiny as tiny
 
     monkeypatch.setenv("SOUP_HOME", str(tmp_path / "home"))
     first = tiny.tiny_model_dir()
@@ -69,7 +69,8 @@ def test_cached_under_soup_home_and_built_once(tmp_path, monkeypatch, torch_one_
 
 def test_two_processes_racing_get_one_complete_folder(tmp_path):
     root = tmp_path / "race"
-    code = "import sys; from soup_core.tiny import tiny_model_dir; print(tiny_model_dir(sys.argv[1]))"
+    code = ("import sys; from soup_core.default_plugins.transformers.tiny import tiny_model_dir; "
+            "print(tiny_model_dir(sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(

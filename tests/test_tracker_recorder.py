@@ -13,10 +13,10 @@ import pluggy
 import pytest
 
 from soup_core import hookspecs
+from soup_core.default_plugins.tracker import TrackerRecorder
 from soup_core.events import OptimizerStep, RunEnd, RunStart
 from soup_core.run_events import RunEvents
 from soup_core.tracker import Tracker
-from soup_core.tracker.recorder import TrackerRecorder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,8 @@ def test_unknown_run_disables_the_recorder_with_one_message(tracker: Tracker) ->
 
 
 def test_plugin_registers_recorder_and_runs_command() -> None:
-    from soup_core.cli.runs import runs_app
-    from soup_core.tracker import plugin
+    from soup_core.default_plugins import tracker as plugin
+    from soup_core.default_plugins.commands.runs import runs_app
 
     assert plugin.SOUP_HOOK_API[0] <= hookspecs.HOOK_API_VERSION <= plugin.SOUP_HOOK_API[1]
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -91,7 +91,7 @@ def test_plugin_registers_recorder_and_runs_command() -> None:
 
 LIGHT = """
 import json, sys
-import soup_core.tracker, soup_core.tracker.plugin, soup_core.tracker.recorder, soup_core.cli.runs
+import soup_core.tracker, soup_core.default_plugins.tracker, soup_core.default_plugins.commands.runs
 heavy = {"torch", "transformers", "peft", "trl", "bitsandbytes", "datasets", "accelerate", "mlx"}
 print(json.dumps(sorted(heavy & {m.split(".")[0] for m in sys.modules})))
 """

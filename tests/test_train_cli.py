@@ -8,7 +8,7 @@ import types
 from pathlib import Path
 
 from soup_core import Backend, hookimpl
-from soup_core.cli.train_cmd import run_train_command
+from soup_core.default_plugins.commands.train_cmd import run_train_command
 from soup_core.testing import registered_plugin
 
 

@@ -54,10 +54,11 @@ def _run(tmp_path: Path, model_dir: Path, trainer_class: Any, *, packing: bool =
     """Train two steps with a task whose ``build`` is ``trainer_class.from_setup``; returns the prepared
     run (trained), its recorder and the metrics it logged."""
     from soup_core import RowCollator, SFTTask, datasets_for
-    from soup_core.backends.transformers import TransformersBackend
-    from soup_core.backends.transformers import plugin as backend_plugin
     from soup_core.config import validate_config
-    from soup_core.data import BUILTIN_FORMATS, build_training_list
+    from soup_core.data import build_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
+    from soup_core.default_plugins.transformers import TransformersBackend
+    from soup_core.default_plugins.transformers import plugin as backend_plugin
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
 

@@ -5,8 +5,8 @@ model. The pieces:
 
 - :func:`read_records`: raw records from .jsonl / .json / .csv (stdlib) and .parquet / save_to_disk
   folders (pyarrow / datasets, imported when called).
-- :data:`BUILTIN_FORMATS`: chat, alpaca, prompt_completion, text (registered by the built-in plugin
-  ``core.formats``, :mod:`soup_core.data.plugin`).
+- the formats themselves are registered by plugins; chat, alpaca, prompt_completion and text by the
+  default plugin ``core.formats`` (:mod:`soup_core.default_plugins.formats`).
 - :func:`build_training_list`: the :class:`TrainingList` (rows in training order, so a row's index is its
   position; validation rows held out; a fingerprint of the rows).
 - :func:`micro_batches` / :func:`epoch_order`: which rows form every micro-batch of every epoch, per rank.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# name -> submodule; loaded on first use, so the built-in plugin ``core.formats`` (imported by every
-# command, `soup --help` included) pays only for the formats module.
+# name -> submodule; loaded on first use, so the default plugin ``core.formats`` (imported by every
+# command, `soup --help` included) pays only for the errors module.
 _EXPORTS = {
     "DETECT_LIMIT": "build",
     "TrainingList": "build",
@@ -29,8 +29,6 @@ _EXPORTS = {
     "split_indices": "build",
     "summarize": "build",
     "DataError": "errors",
-    "BUILTIN_FORMATS": "formats",
-    "alpaca_prompt": "formats",
     "epoch_order": "order",
     "micro_batches": "order",
     "read_records": "readers",
@@ -45,11 +43,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BUILTIN_FORMATS",
     "DETECT_LIMIT",
     "DataError",
     "TrainingList",
-    "alpaca_prompt",
     "build_training_list",
     "canonical_row",
     "epoch_order",

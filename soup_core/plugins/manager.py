@@ -30,11 +30,11 @@ from soup_core.probes import run_probe
 
 #: Built-in parts: (plugin name, module). They always load and cannot be disabled.
 BUILTINS: tuple[tuple[str, str], ...] = (
-    ("core.cli", "soup_core.cli.builtin"),
-    ("core.tracker", "soup_core.tracker.plugin"),
-    ("core.formats", "soup_core.data.plugin"),
-    ("core.sft", "soup_core.tasks.plugin"),
-    ("core.transformers", "soup_core.backends.transformers.plugin"),
+    ("core.cli", "soup_core.default_plugins.commands.plugin"),
+    ("core.tracker", "soup_core.default_plugins.tracker"),
+    ("core.formats", "soup_core.default_plugins.formats"),
+    ("core.sft", "soup_core.default_plugins.sft"),
+    ("core.transformers", "soup_core.default_plugins.transformers.plugin"),
 )
 #: registration hook -> (registry attribute, the attribute that names an item)
 REGISTRATIONS: dict[str, tuple[str, str]] = {

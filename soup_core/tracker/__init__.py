@@ -1,8 +1,8 @@
-"""Soup's experiment tracker (DESIGN.md §5): every run, its metrics and how it ended, in SQLite.
+"""Soup's experiment tracker: every run, its metrics and how it ended, in SQLite.
 
 The database is ``soup_home()/"experiments.db"`` (``$SOUP_HOME`` or ``~/.soup``). Standard library only:
-``soup runs`` imports this without torch. The pluggy plugin that registers the tracker recorder and the
-``soup runs`` command is :mod:`soup_core.tracker.plugin`.
+``soup runs`` imports this without torch. The default plugin that registers the tracker recorder and the
+``soup runs`` command is :mod:`soup_core.default_plugins.tracker`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# loaded on first use: the tracker's plugin module (imported at every CLI start) needs none of this
+# loaded on first use: `soup --help` needs none of this
 _EXPORTS = {
     "SCHEMA_VERSION": "schema",
     "TrackerError": "schema",

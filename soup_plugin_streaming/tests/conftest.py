@@ -18,7 +18,7 @@ def _private_soup_home(soup_home: Path) -> None:
 
 @pytest.fixture(scope="session")
 def tokenizer(torch_one_thread):
-    from soup_core.tiny import build_tiny_tokenizer
+    from soup_core.default_plugins.transformers.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer(vocab_size=300)
 

@@ -178,7 +178,7 @@ _UNDER_A_LIMIT = textwrap.dedent(
     """
     import json, resource, sys
     from pathlib import Path
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_core.config import validate_config
     from soup_core.testing import isolated_plugins, registered_plugin
     from soup_plugin_streaming import memwatch, plugin
@@ -259,7 +259,7 @@ def test_refuses_over_a_real_memory_limit_with_the_fixes_and_the_override_lets_i
 
 
 def test_soup_train_dry_run_prints_the_table(checkpoints, tmp_path, capsys):
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_core.testing import registered_plugin
 
     data = tmp_path / "rows.jsonl"

@@ -65,12 +65,12 @@ def test_the_plugin_and_its_tests_import_only_the_public_api(public_names) -> No
 @pytest.mark.parametrize(
     "source",
     [
-        "import soup_core.backends.transformers.trainer",
-        "from soup_core.tasks.sft import encode_rows",
+        "import soup_core.default_plugins.transformers.trainer",
+        "from soup_core.default_plugins.sft import encode_rows",
         "from soup_core import _LAZY",
         "def f():\n    from soup_core.data.build import canonical_row\n",
         "import importlib\nimportlib.import_module('soup_core.tracker.store')",
-        "__import__('soup_core.cli.train_cmd')",
+        "__import__('soup_core.default_plugins.commands.train_cmd')",
     ],
 )
 def test_control_each_kind_of_private_import_is_caught(source, public_names) -> None:

@@ -73,7 +73,7 @@ def build_model(folder: Path, spec: dict[str, Any], *, seed: int = 0, tokenizer_
     The model's vocabulary may be larger than the tokenizer's (the extra rows are never read, but they
     are what a real vocabulary costs in embeddings and logits)."""
     import torch
-    from soup_core.tiny import build_tiny_tokenizer
+    from soup_core.default_plugins.transformers.tiny import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     if (folder / "config.json").is_file() and list(folder.glob("*.safetensors")):
@@ -232,7 +232,7 @@ def measure(config_path: Path, out: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_core.testing import registered_plugin
 
     from soup_plugin_streaming import memwatch

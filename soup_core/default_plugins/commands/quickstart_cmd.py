@@ -17,9 +17,9 @@ def quickstart(
     Exit codes: 0 trained; 1 the run failed; 130 interrupted."""
     from rich.markup import escape
 
-    from soup_core.cli.train_cmd import run_train_command
+    from soup_core.default_plugins.commands.quickstart import POISONED_ROW, prepare
+    from soup_core.default_plugins.commands.train_cmd import run_train_command
     from soup_core.plugins import load_plugins
-    from soup_core.quickstart import POISONED_ROW, prepare
     from soup_core.ui import console
 
     console.print("[bold]soup quickstart[/]: building a tiny model and a synthetic data set (nothing is downloaded)")

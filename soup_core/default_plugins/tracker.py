@@ -1,10 +1,18 @@
-"""The recorder that writes each optimizer step's measured metrics to the tracker (rank 0 only)."""
+"""The default plugin ``core.tracker``: the recorder that writes each optimizer step's measured metrics to
+the experiment tracker (rank 0 only), and the ``soup runs`` command.
+
+The tracker itself (its store and schema) is the core's: :mod:`soup_core.tracker`. Importing this module is
+cheap (pluggy and the contracts); the store and the CLI group are imported when used.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from soup_core.contracts import Recorder
+from soup_core.contracts import Command, Recorder
+from soup_core.hookspecs import hookimpl
+
+SOUP_HOOK_API = (1, 1)
 
 if TYPE_CHECKING:  # pragma: no cover
     from soup_core.events import OptimizerStep, RunEnd, RunStart
@@ -44,3 +52,15 @@ class TrackerRecorder(Recorder):
         if self._tracker is not None:
             self._tracker.close()
             self._tracker = None
+
+
+@hookimpl
+def soup_register_recorders() -> list[type[Any]]:
+    return [TrackerRecorder]
+
+
+@hookimpl
+def soup_register_commands() -> list[Command]:
+    from soup_core.default_plugins.commands.runs import runs_app
+
+    return [Command(name="runs", target=runs_app, help="List, show and delete tracked runs.")]

@@ -1,14 +1,14 @@
-"""The core's own commands, registered through the same hook as any plugin's (built-in ``core.cli``)."""
+"""The default plugin ``core.cli``: the core's own commands, registered through the same hook as any plugin's."""
 
 from __future__ import annotations
 
-from soup_core.cli.doctor_cmd import DOCTOR_HELP, doctor
-from soup_core.cli.init_cmd import init
-from soup_core.cli.merge_cmd import merge
-from soup_core.cli.plugins_cmd import plugins_app
-from soup_core.cli.quickstart_cmd import quickstart
-from soup_core.cli.train_cmd import TRAIN_HELP, train
 from soup_core.contracts import Command
+from soup_core.default_plugins.commands.doctor_cmd import DOCTOR_HELP, doctor
+from soup_core.default_plugins.commands.init_cmd import init
+from soup_core.default_plugins.commands.merge_cmd import merge
+from soup_core.default_plugins.commands.plugins_cmd import plugins_app
+from soup_core.default_plugins.commands.quickstart_cmd import quickstart
+from soup_core.default_plugins.commands.train_cmd import TRAIN_HELP, train
 from soup_core.hookspecs import hookimpl
 
 SOUP_HOOK_API = (1, 1)

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from soup_core.backends.transformers.loading import BackendError, quiet_progress
 from soup_core.contracts import Backend
+from soup_core.default_plugins.transformers.loading import BackendError, quiet_progress
 
 #: Every config path this backend honours for the sft task (its support-table row).
 HONOURED_FIELDS: frozenset[str] = frozenset(
@@ -91,7 +91,7 @@ def build_training_args(config: Any, output_dir: Path, *, has_eval: bool, run_na
     import torch
     from trl import SFTConfig
 
-    from soup_core.backends.transformers.loading import resolve_dtype
+    from soup_core.default_plugins.transformers.loading import resolve_dtype
 
     t = config.training
     dtype = resolve_dtype(t.dtype)
@@ -232,9 +232,9 @@ class TransformersBackend(Backend):
         from transformers import set_seed
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-        from soup_core.backends.transformers.loading import apply_lora
-        from soup_core.backends.transformers.progress import ProgressDisplay
-        from soup_core.backends.transformers.trainer import EvalMetricsCallback, TrainerSetup
+        from soup_core.default_plugins.transformers.loading import apply_lora
+        from soup_core.default_plugins.transformers.progress import ProgressDisplay
+        from soup_core.default_plugins.transformers.trainer import EvalMetricsCallback, TrainerSetup
 
         config = ctx.config
         resumed = checkpoint_step(ctx.resume_from)  # a bad checkpoint is refused before loading anything

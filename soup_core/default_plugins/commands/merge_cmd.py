@@ -42,7 +42,7 @@ def merge(
         base = adapter_config.get("base_model_name_or_path")
         if not base:
             fail(f"{config_file} does not say which base model it belongs to; pass --base")
-    from soup_core.backends.transformers.loading import BackendError, merge_adapter
+    from soup_core.default_plugins.transformers.loading import BackendError, merge_adapter
 
     try:
         out = merge_adapter(base, adapter, output)

@@ -1,4 +1,5 @@
-"""The core's four row formats: chat, alpaca, prompt_completion and text (DESIGN.md §4a).
+"""The default plugin ``core.formats``: the four row formats chat, alpaca, prompt_completion and text,
+registered through the same hook a third-party plugin uses.
 
 Each turns a raw record into a normalised, JSON-serialisable example, or raises ``ValueError`` saying
 what is wrong with the record. Keys a format does not use (``id``, ``source``, ...) are ignored.
@@ -22,6 +23,9 @@ from typing import Any
 
 from soup_core.contracts import DataFormat
 from soup_core.data.errors import type_name
+from soup_core.hookspecs import hookimpl
+
+SOUP_HOOK_API = (1, 1)
 
 CHAT_ROLES = ("system", "user", "assistant")
 
@@ -197,3 +201,9 @@ BUILTIN_FORMATS: list[DataFormat] = [
         priority=10,
     ),
 ]
+
+
+@hookimpl
+def soup_register_data_formats() -> list[DataFormat]:
+    """chat, alpaca, prompt_completion and text."""
+    return list(BUILTIN_FORMATS)

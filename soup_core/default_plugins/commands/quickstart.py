@@ -71,8 +71,8 @@ def synthetic_rows(n_rows: int = N_ROWS, poisoned_row: int = POISONED_ROW, seed:
 
 def prepare(directory: Path) -> Path:
     """Build (or reuse) the tiny model, write the data set and the config; return the config path."""
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
     from soup_core.io import atomic_write
-    from soup_core.tiny import tiny_model_dir
 
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""``soup doctor``: the command. The checks live in :mod:`soup_core.doctor`, imported when it runs (every CLI
-start imports this module to register the command)."""
+"""``soup doctor``: the command. The checks live in :mod:`.doctor`, imported when it runs (every CLI start
+imports this module to register the command)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def doctor(
     """Check this machine and this installation (see ``soup doctor --help``)."""
     import json
 
-    from soup_core.doctor import build_report, print_report
+    from soup_core.default_plugins.commands.doctor import build_report, print_report
 
     report = build_report(deep=not quick, devices=not quick)
     if as_json:

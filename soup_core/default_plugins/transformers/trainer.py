@@ -34,9 +34,9 @@ from transformers import TrainerCallback
 from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from soup_core.backends.transformers.loading import BackendError
 from soup_core.contracts import Rollback, SetCoefficient, Stop
 from soup_core.data import micro_batches
+from soup_core.default_plugins.transformers.loading import BackendError
 from soup_core.events import MicroBatch, OptimizerStep
 
 IGNORE = -100

@@ -1,4 +1,5 @@
-"""The built-in ``sft`` task: supervised fine-tuning on chat, prompt/completion and text rows.
+"""The default plugin ``core.sft``: the ``sft`` task, supervised fine-tuning on chat, prompt/completion and
+text rows, registered through the same hook any plugin uses.
 
 Tokenisation lives here (it is the task's business what a row trains on); the trainer that runs it is the
 backend's. Every encoded example keeps its row index, so per-row statistics can be attributed to rows.
@@ -12,6 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from soup_core.contracts import Backend, Task
+from soup_core.hookspecs import hookimpl
+
+SOUP_HOOK_API = (1, 1)
 
 IGNORE = -100  # the label value transformers' losses skip
 
@@ -171,7 +175,12 @@ class SFTTask(Task):
         """Build the trainer for ``backend``; ``context`` is the backend's trainer setup."""
         if backend.name != "transformers":
             raise NotImplementedError(f"the sft task has no trainer for backend {backend.name!r}")
-        from soup_core.backends.transformers.trainer import SoupSFTTrainer, datasets_for
+        from soup_core.default_plugins.transformers.trainer import SoupSFTTrainer, datasets_for
 
         train_dataset, eval_dataset = datasets_for(self, context)
         return SoupSFTTrainer.from_setup(context, train_dataset, eval_dataset)
+
+
+@hookimpl
+def soup_register_tasks() -> list[type]:
+    return [SFTTask]

@@ -1,13 +1,13 @@
-"""Registers the built-in transformers backend (plugin ``core.transformers``): the backend, its support
-row for the sft task, its probes, and the last-resort model loader."""
+"""The default plugin ``core.transformers``: registers the transformers backend, its support row for the sft
+task, its probes, and the last-resort model loader."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from soup_core import probes
-from soup_core.backends.transformers.backend import HONOURED_FIELDS, TransformersBackend
 from soup_core.contracts import LoadedModel, Probe, ProbeResult, Support
+from soup_core.default_plugins.transformers.backend import HONOURED_FIELDS, TransformersBackend
 from soup_core.hookspecs import hookimpl
 
 SOUP_HOOK_API = (1, 1)
@@ -59,6 +59,6 @@ def soup_register_probes() -> list[Probe]:
 def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
     if backend != "transformers":
         return None
-    from soup_core.backends.transformers.loading import load_model_and_tokenizer
+    from soup_core.default_plugins.transformers.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(config)

@@ -1,1 +1,0 @@
-"""Built-in backends. Each subpackage is import-light; engines load when a run is prepared."""
