@@ -1,17 +1,22 @@
 """The one scanner of installed distributions, shared by the plugin manager, the probes and ``soup doctor``.
 
-Entry points, names, versions and declared requirements come from ``importlib.metadata``; version ranges,
-requirement lines and markers are read by ``packaging`` (the code pip itself uses), imported only where a
-range or a marker is checked, so ``soup --help`` never pays for it.
+Which distributions are installed, at which version, and their ``soup`` entry points are read the way
+``importlib.metadata`` finds them (``*.dist-info`` folders on ``sys.path``, the first of a name wins), from
+the folder names the wheel standard fixes (``name-version.dist-info``) and ``entry_points.txt`` (an INI file,
+read by ``configparser``): importing ``importlib.metadata`` and its e-mail parser would cost every ``soup``
+start a third of its time. What only ``METADATA`` holds (requirements, extras) comes from
+``importlib.metadata``; version ranges, requirement lines and markers are read by ``packaging``, the code pip
+itself uses. Both are imported only where they are needed, never by ``soup --help``.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
+import importlib
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 ENTRY_POINT_GROUP = "soup"
 
@@ -21,24 +26,106 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def soup_entry_points() -> list[metadata.EntryPoint]:
-    """Entry points of the ``soup`` group, by name; for a distribution installed twice, the first on
-    ``sys.path`` (as imports resolve it)."""
-    return sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+class Installed(NamedTuple):
+    """One installed distribution: its name (PEP 503 form), version and ``.dist-info`` folder."""
+
+    name: str
+    version: str
+    path: str
+
+    def metadata(self) -> Any:
+        """This distribution through ``importlib.metadata`` (for what only ``METADATA`` holds)."""
+        from importlib.metadata import PathDistribution
+        from pathlib import Path
+
+        return PathDistribution(Path(self.path))
 
 
-def distributions(path: Sequence[str] | None = None, name: str | None = None) -> Iterator[metadata.Distribution]:
-    """Installed distributions on ``path`` (default ``sys.path``), only those called ``name`` if given."""
+class EntryPoint(NamedTuple):
+    """A ``soup`` entry point: plugin name, ``module[:attr]`` target, and the distribution declaring it."""
+
+    name: str
+    value: str
+    dist: Installed
+
+    def load(self) -> Any:
+        module, _, attr = self.value.partition("[")[0].strip().partition(":")
+        obj = importlib.import_module(module.strip())
+        for part in filter(None, attr.strip().split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+
+_seen: dict[tuple[tuple[str, float], ...], dict[str, Installed]] = {}
+
+
+def installed(path: Sequence[str] | None = None) -> dict[str, Installed]:
+    """Every ``*.dist-info`` distribution on ``path`` (default ``sys.path``) by PEP 503 name, the first of
+    each name winning, as imports resolve it. Kept while no folder of the path changes (an install or an
+    uninstall changes its folder's modification time)."""
+    entries = list(sys.path if path is None else path)
+    key = tuple((entry, _mtime(entry)) for entry in entries)
+    if key not in _seen:
+        found: dict[str, Installed] = {}
+        for entry in entries:
+            try:
+                folders = os.listdir(entry or ".")
+            except OSError:
+                continue
+            for folder in folders:
+                if folder.endswith(".dist-info"):
+                    name, _, version = folder[: -len(".dist-info")].partition("-")
+                    found.setdefault(canonical(name), Installed(canonical(name), version, os.path.join(entry, folder)))
+        _seen.clear()
+        _seen[key] = found
+    return _seen[key]
+
+
+def _mtime(entry: str) -> float:
+    try:
+        return os.stat(entry or ".").st_mtime
+    except OSError:
+        return -1.0
+
+
+def soup_entry_points(path: Sequence[str] | None = None) -> list[EntryPoint]:
+    """Entry points of the ``soup`` group of every installed distribution, by name. ``entry_points.txt`` is
+    read as the entry-point specification describes it: ``[group]`` lines, then ``name = value`` lines."""
+    found: list[EntryPoint] = []
+    for dist in installed(path).values():
+        try:
+            with open(os.path.join(dist.path, "entry_points.txt"), encoding="utf-8") as handle:
+                lines = [line.strip() for line in handle]
+        except OSError:
+            continue
+        group = None
+        for line in lines:
+            if line.startswith("[") and line.endswith("]"):
+                group = line[1:-1].strip()
+            elif group == ENTRY_POINT_GROUP and "=" in line and not line.startswith(("#", ";")):
+                name, _, value = line.partition("=")
+                found.append(EntryPoint(name.strip(), value.strip(), dist))
+    return sorted(found, key=lambda ep: ep.name)
+
+
+def distributions(path: Sequence[str] | None = None, name: str | None = None) -> Iterator[Any]:
+    """Installed distributions on ``path`` as ``importlib.metadata`` objects (``.dist-info`` and
+    ``.egg-info`` both), only those called ``name`` if given."""
+    import importlib.metadata
+
     kwargs: dict[str, Any] = {"path": list(path) if path is not None else sys.path}
     if name is not None:
         kwargs["name"] = name
-    return iter(metadata.distributions(**kwargs))
+    return iter(importlib.metadata.distributions(**kwargs))
 
 
 def version_of(name: str, path: Sequence[str] | None = None) -> str | None:
     """The installed version of distribution ``name``, or None when it is not installed."""
-    dist = next(distributions(path, name), None)
-    return None if dist is None else str(dist.version)
+    dist = installed(path).get(canonical(name))
+    if dist is not None:
+        return dist.version
+    found = next(distributions(path, name), None)  # an .egg-info or another finder's layout
+    return None if found is None else str(found.version)
 
 
 def requirement(line: str) -> Any:
@@ -70,10 +157,10 @@ def marker_holds(marker: Any, extra: str = "") -> bool:
     return bool((marker if isinstance(marker, Marker) else Marker(str(marker))).evaluate({"extra": extra}))
 
 
-def declared_range(dist: metadata.Distribution, project: str) -> str:
+def declared_range(dist: Installed, project: str) -> str:
     """The version range ``dist`` declares for ``project`` in its plain requirements ("" when none; lines
     under an extra or a marker that does not hold here do not count)."""
-    for line in dist.requires or ():
+    for line in dist.metadata().requires or ():
         req = requirement(line)
         if canonical(req.name) == canonical(project) and marker_holds(req.marker):
             return str(req.specifier)
