@@ -78,29 +78,6 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     return plan
 
 
-def token_length_summary(config: Any, plan: Plan, *, plugins: Any) -> str:
-    """One line on the training rows' token lengths as the task encodes them (loads the tokenizer only,
-    never the model); says why when it cannot."""
-    training = plan.data.get("train")
-    task = plugins.tasks[config.task]()
-    if training is None or not hasattr(task, "encode"):
-        return "token lengths: not reported by this task"
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(config.base, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
-        return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
-    lengths = sorted(len(e["input_ids"]) for e in task.encode(training.rows, tokenizer, config))
-    if not lengths:
-        return "token lengths: no rows"
-    limit = int(config.data.max_length)
-    cut = sum(1 for n in lengths if n >= limit)
-    median = lengths[len(lengths) // 2]
-    return (f"token lengths: min {lengths[0]}, median {median}, max {lengths[-1]}; "
-            f"{cut} of {len(lengths)} rows at data.max_length={limit} (truncated)")
-
-
 def execute(
     plan: Plan,
     *,
@@ -172,16 +149,11 @@ def execute(
             owner = plugins.backends.owner(config.backend)
             raise RuntimeError(f"backend {config.backend!r} (plugin {owner!r}): {type(exc).__name__}: {exc}") from exc
 
-    if rank != 0:  # rank 0 owns the tracker row; the others just train under the id they were given
-        try:
-            summary = _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
-        except BaseException:
-            _close_process_group(wait=False)
-            raise
-        _close_process_group(wait=True)
-        return summary
     try:
-        summary = _execute_rank0(tracker, start_kwargs, _train)
+        if rank == 0:
+            summary = _execute_rank0(tracker, start_kwargs, _train)
+        else:  # rank 0 owns the tracker row; the others just train under the id they were given
+            summary = _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
     except BaseException:
         _close_process_group(wait=False)
         raise

@@ -104,10 +104,10 @@ def test_a_real_run_is_tracked(tiny_model_dir: Path, tmp_path: Path, monkeypatch
 
 
 def test_nproc_checks_the_data_once_before_launching(tiny_model_dir: Path, tmp_path: Path, capsys, monkeypatch) -> None:
-    import soup_core.distributed
+    from soup_core.default_plugins.commands import train_cmd
 
     launched: list[int] = []
-    monkeypatch.setattr(soup_core.distributed, "launch", lambda *a, nproc, **k: launched.append(nproc) or 0)
+    monkeypatch.setattr(train_cmd, "launch", lambda *a, nproc, **k: launched.append(nproc) or 0)
     rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
             {"messages": "not a list"}]
     bad = write_config(tmp_path, tiny_model_dir, rows=rows)

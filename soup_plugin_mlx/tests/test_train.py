@@ -40,10 +40,10 @@ def test_nproc_is_refused_before_any_process_is_launched(
     (tmp_path / "soup.yaml").write_text(
         f"base: {tiny_model}\nbackend: mlx\noutput: ./output\ndata:\n  train: data.jsonl\n", encoding="utf-8"
     )
-    import soup_core.distributed
+    from soup_core.default_plugins.commands import train_cmd
 
     launched: list[int] = []
-    monkeypatch.setattr(soup_core.distributed, "launch", lambda *a, **k: launched.append(1) or 0)
+    monkeypatch.setattr(train_cmd, "launch", lambda *a, **k: launched.append(1) or 0)
     assert _soup(["train", "--nproc", "2"]) == 1
     assert "backend 'mlx' (plugin 'mlx') trains in one process" in capsys.readouterr().err
     assert launched == [] and not (tmp_path / "output").exists()

@@ -1,15 +1,31 @@
-"""``soup train``: validate, plan, and run one training run from a YAML config."""
+"""``soup train``: validate, plan, and run one training run from a YAML config.
+
+``--nproc N`` launches N processes through torchrun (DDP); nothing home-made. The launcher picks the run id,
+so every rank records events under the same run; rank 0 owns the tracker row and the outputs. The same thing
+by hand::
+
+    SOUP_RUN_ID=$(python -c "from soup_core.tracker import new_run_id; print(new_run_id())") \\
+    torchrun --standalone --nproc_per_node 2 -m soup_core train -c soup.yaml
+    accelerate launch --num_processes 2 -m soup_core train -c soup.yaml
+
+(without ``SOUP_RUN_ID`` the non-zero ranks record under the id ``unknown``).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
+
+OVERRIDES_ENV = "SOUP_CONFIG_OVERRIDES"
+RUN_ID_ENV = "SOUP_RUN_ID"
 
 TRAIN_HELP = """Train from a YAML config (default: ./soup.yaml, as written by `soup init`).
 
@@ -90,9 +106,8 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
 
     if not config_path.exists():
         return fail(f"{config_path}: no such config file. Write one with `soup init`, or pass --config PATH.")
-    from soup_core.distributed import env_overrides, env_run_id
-
-    overrides = {**env_overrides(), **overrides}
+    # a rank started by launch() gets the launcher's overrides
+    overrides = {**json.loads(os.environ.get(OVERRIDES_ENV) or "{}"), **overrides}
     plugins = load_plugins()
     try:
         config = load_config(config_path, plugins=plugins, overrides=overrides)
@@ -108,8 +123,6 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     except RunRefused as exc:
         return fail(str(exc))
     if nproc > 1 and not dry_run:
-        from soup_core.distributed import launch
-
         return launch(config_path, overrides=overrides, nproc=nproc)
     from soup_core.run import dist_env
 
@@ -127,13 +140,12 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
             console.print("    " + escape(line))
     console.print(f"  output: {escape(str(plan.output_dir))}")
     if dry_run:
-        from soup_core.run import token_length_summary
-
         console.print("  " + escape(token_length_summary(config, plan, plugins=plugins)))
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
     try:
-        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)), run_id=env_run_id())
+        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
+                          run_id=os.environ.get(RUN_ID_ENV) or None)
     except KeyboardInterrupt:
         err_console.print("Interrupted; the run is recorded as interrupted.")
         return 130
@@ -160,3 +172,43 @@ def _world_size(n: int | None) -> Iterator[None]:
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = before
+
+
+def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int) -> int:
+    """Run ``soup train`` on ``nproc`` local processes; returns the exit code of the group."""
+    from soup_core.tracker import new_run_id
+
+    env = dict(os.environ)
+    env[RUN_ID_ENV] = env.get(RUN_ID_ENV) or new_run_id()
+    env[OVERRIDES_ENV] = json.dumps(overrides)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "soup_core", "train", "--config", str(config_path)]
+    print(f"Launching {nproc} processes (torchrun, run {env[RUN_ID_ENV]})", flush=True)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
+    """One line on the training rows' token lengths as the task encodes them (loads the tokenizer only,
+    never the model); says why when it cannot."""
+    training = plan.data.get("train")
+    task = plugins.tasks[config.task]()
+    if training is None or not hasattr(task, "encode"):
+        return "token lengths: not reported by this task"
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.base, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
+        return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
+    lengths = sorted(len(e["input_ids"]) for e in task.encode(training.rows, tokenizer, config))
+    if not lengths:
+        return "token lengths: no rows"
+    limit = int(config.data.max_length)
+    cut = sum(1 for n in lengths if n >= limit)
+    median = lengths[len(lengths) // 2]
+    return (f"token lengths: min {lengths[0]}, median {median}, max {lengths[-1]}; "
+            f"{cut} of {len(lengths)} rows at data.max_length={limit} (truncated)")
