@@ -63,7 +63,7 @@ def issue_at(error: ConfigError, path: str):
 def plugins_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first-party plugins may be installed in a dev environment; these tests are about a user who
     # has not installed them.
-    monkeypatch.setattr(known, "is_installed", lambda distribution: False)
+    monkeypatch.setattr(known, "version_of", lambda distribution: None)
 
 
 # --------------------------------------------------------------------------------------- valid configs
@@ -145,15 +145,15 @@ def test_key_of_an_uninstalled_plugin_gives_the_install_command(plugins_not_inst
 
 
 def test_key_of_an_installed_but_unloaded_plugin_has_no_install_command(monkeypatch) -> None:
-    monkeypatch.setattr(known, "is_installed", lambda distribution: True)
+    monkeypatch.setattr(known, "version_of", lambda distribution: "1.0")
     error = errors_of("base: tiny\ndata:\n  train: rows.jsonl\n  forget: f.jsonl\n")
     forget = issue_at(error, "data.forget")
     assert forget.install is None and "installed but not loaded" in forget.message
 
 
-def test_is_installed_reads_distribution_metadata() -> None:
-    assert known.is_installed("pydantic") is True
-    assert known.is_installed("soup-plugin-that-does-not-exist") is False
+def test_version_of_reads_distribution_metadata() -> None:
+    assert known.version_of("pydantic") is not None
+    assert known.version_of("soup-plugin-that-does-not-exist") is None
 
 
 def test_unknown_backend_and_task_have_distinct_messages(plugins_not_installed: None) -> None:
@@ -358,7 +358,7 @@ def test_is_default() -> None:
 
 
 def test_documented_error_example_is_what_soup_prints(monkeypatch) -> None:
-    monkeypatch.setattr(known, "is_installed", lambda distribution: False)
+    monkeypatch.setattr(known, "version_of", lambda distribution: None)
     text = (
         "base: tiny\nbackend: mlx\ndata:\n  train: rows.jsonl\ntraining:\n"
         "  learnin_rate: 0.001\n  max_length: 2048\n  batch_size: four\n"

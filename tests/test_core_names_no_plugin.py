@@ -10,7 +10,8 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "soup_core"
-EXEMPT = {CORE / "config" / "known.py", CORE / "doctor.py"}  # doctor reports the MLX device
+# doctor reports the MLX device
+EXEMPT = {CORE / "config" / "known.py", CORE / "default_plugins" / "commands" / "doctor.py"}
 FOREIGN = {"mlx", "grpo", "dpo", "ipo", "kto", "orpo", "simpo", "cpo", "bco", "ppo", "unlearn", "distill",
            "classification", "reward_model", "pretrain"}
 

@@ -1,4 +1,4 @@
-"""Soup's configuration: one YAML file validated into one :class:`SoupConfig` (DESIGN.md §4, §4b).
+"""Soup's configuration: one YAML file validated into one :class:`SoupConfig` (docs/config.md).
 
 Plugins add fields through ``soup_register_config_fields`` and say which fields a (backend, task) pair
 honours through ``soup_register_support``; :class:`ConfigSchema` assembles both with the core models.

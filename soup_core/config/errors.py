@@ -26,17 +26,14 @@ class ConfigIssue:
 
     def render(self, source: str) -> str:
         """This issue as one line (plus an install line when there is a command)."""
+        where = self.path
         if self.path == ROOT:
             where = source if self.line is None else f"{source} line {self.line}, column {self.column or 1}"
-            text = f"{where}: {self.message}"
-        else:
-            text = f"{self.path}: {self.message}"
-            if self.suggestion:
-                text += f" — did you mean {self.suggestion}?"
-            if self.line is not None:
-                text += f" (line {self.line})"
-        if self.path == ROOT and self.suggestion:
+        text = f"{where}: {self.message}"
+        if self.suggestion:
             text += f" — did you mean {self.suggestion}?"
+        if self.line is not None and self.path != ROOT:
+            text += f" (line {self.line})"
         if self.install:
             text += f"\n      install: {self.install}"
         return text

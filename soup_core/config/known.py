@@ -11,16 +11,6 @@ from fnmatch import fnmatchcase
 
 from soup_core.distributions import canonical, version_of
 
-# distribution -> the short plugin name (its entry-point name)
-PLUGIN_NAMES: dict[str, str] = {
-    "soup-plugin-streaming": "streaming",
-    "soup-plugin-rewind": "rewind",
-    "soup-plugin-mlx": "mlx",
-    "soup-plugin-rl": "rl",
-    "soup-plugin-unlearn": "unlearn",
-    "soup-plugin-distill": "distill",
-}
-
 # config path pattern (fnmatch, case-sensitive) -> distribution
 KNOWN_FIELDS: dict[str, str] = {
     "training.stream_layers": "soup-plugin-streaming",
@@ -59,10 +49,6 @@ def distribution_for_path(path: str) -> str | None:
     return None
 
 
-def install_command(distribution: str) -> str:
-    return f"pip install {distribution}"
-
-
 def absent_reason(distribution: str, not_loaded: Sequence[tuple[str, str, str]] = ()) -> tuple[str, str | None]:
     """Why a first-party plugin's key, task or backend is not available: (phrase, install command or None).
 
@@ -72,11 +58,11 @@ def absent_reason(distribution: str, not_loaded: Sequence[tuple[str, str, str]] 
     for plugin, dist, why in not_loaded:
         if canonical(dist) == canonical(distribution):
             return f"plugin '{plugin}' ({dist}), which is installed but not loaded ({why})", None
-    name = PLUGIN_NAMES.get(distribution, distribution)
+    name = distribution.removeprefix("soup-plugin-")  # a first-party plugin's entry-point name
     if version_of(distribution) is not None:
         return (f"plugin '{name}' ({distribution}), which is installed but not loaded (see `soup plugins list`)",
                 None)
-    return f"plugin '{name}' ({distribution}), which is not installed", install_command(distribution)
+    return f"plugin '{name}' ({distribution}), which is not installed", f"pip install {distribution}"
 
 
 def not_loaded_note(not_loaded: Sequence[tuple[str, str, str]]) -> str:

@@ -1,4 +1,4 @@
-"""The core config models (DESIGN.md §4b) and :class:`ConfigSchema`, which adds plugin fields to them.
+"""The core config models (docs/config.md) and :class:`ConfigSchema`, which adds plugin fields to them.
 
 Every model forbids unknown keys and validates strictly: a bool is ``true``/``false`` only, an integer
 is never a float or a bool, a number is never a bool. Plugin fields are added with
@@ -161,12 +161,6 @@ def core_field_paths() -> list[str]:
     return [path for path, _, section in iter_fields(SoupConfig) if section is None]
 
 
-def _default_of(info: Any) -> Any:
-    if info.default_factory is not None:
-        return info.default_factory()
-    return info.default
-
-
 class ConfigSchema:
     """The config schema: the core models plus what plugins registered.
 
@@ -300,9 +294,6 @@ class ConfigSchema:
         entry = self._fields_index().get(path)
         return entry is not None and entry[1] is not None
 
-    def has_path(self, path: str) -> bool:
-        return path in self._fields_index()
-
     def field_info(self, path: str) -> Any:
         return self._fields_index()[path][0]
 
@@ -311,7 +302,7 @@ class ConfigSchema:
         info = self.field_info(path)
         if info.is_required():
             return REQUIRED
-        return _default_of(info)
+        return info.get_default(call_default_factory=True)
 
     def is_observer(self, path: str) -> bool:
         config_field = self.fields.get(path)

@@ -73,7 +73,7 @@ def load_config_text(
         raise ConfigError([ConfigIssue(ROOT, "the config is empty; it needs at least `base: <model>`")], source)
     if not isinstance(data, dict):
         raise ConfigError(
-            [ConfigIssue(ROOT, f"the config must be a mapping of keys (like `base: ...`), got {_kind(data)}")],
+            [ConfigIssue(ROOT, f"the config must be a mapping of keys (like `base: ...`), got {_show(data)}")],
             source,
         )
     return _validate(data, resolve_schema(plugins), overrides, source, positions)
@@ -88,7 +88,7 @@ def validate_config(
 ) -> SoupConfig:
     """Validate a config given as a mapping (a saved resolved config, or one built in code)."""
     if not isinstance(mapping, Mapping):
-        raise ConfigError([ConfigIssue(ROOT, f"the config must be a mapping, got {_kind(mapping)}")], source)
+        raise ConfigError([ConfigIssue(ROOT, f"the config must be a mapping, got {_show(mapping)}")], source)
     return _validate(dict(mapping), resolve_schema(plugins), overrides, source, {})
 
 
@@ -111,11 +111,7 @@ def is_default(config: SoupConfig, path: str) -> bool:
     for part in parents:
         model = getattr(model, part)
     info = type(model).model_fields[leaf]
-    value = getattr(model, leaf)
-    if info.is_required():
-        return False
-    default = info.default_factory() if info.default_factory is not None else info.default
-    return bool(value == default)
+    return not info.is_required() and bool(getattr(model, leaf) == info.get_default(call_default_factory=True))
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -190,14 +186,6 @@ def _get_path(data: Any, path: str) -> Any:
             return _MISSING
         node = node[part]
     return node
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return _show(value)
 
 
 def _show(value: Any) -> str:
