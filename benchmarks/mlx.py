@@ -65,7 +65,7 @@ PROJECTIONS = [
 
 def make_rows(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[str, str]]:
     """``n`` text rows that encode to exactly ``length`` tokens (eos included) for soup and mlx-lm alike."""
-    from soup_core import encode_example
+    from soup_core.default_plugins.sft import encode_example
 
     rng = random.Random(seed)
     rows: list[dict[str, str]] = []
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from transformers import AutoTokenizer
 
-        from soup_core import build_tiny_model
+        from soup_core.default_plugins.transformers import build_tiny_model
 
         model_dir = build_tiny_model(work / "model", hidden=HIDDEN, layers=LAYERS, seed=0)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -217,7 +217,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="soup-bench-rl-"))
     os.environ.setdefault("SOUP_HOME", str(work / "home"))
     if opts.base is None:
-        from soup_core import tiny_model_dir
+        from soup_core.default_plugins.transformers import tiny_model_dir
 
         opts.base = tiny_model_dir(work / "tiny")
     pairs = []

@@ -174,7 +174,8 @@ class StepTimer:
 
 def _timer_plugin(timer: StepTimer) -> Any:
     """A plugin whose ``soup_load_model`` is the built-in loading plus the step timer."""
-    from soup_core import hookimpl, load_model_and_tokenizer
+    from soup_core import hookimpl
+    from soup_core.default_plugins.transformers import load_model_and_tokenizer
 
     class TimerPlugin:
         SOUP_HOOK_API = (1, 1)
@@ -337,11 +338,12 @@ def trl_arm(work: Path, model_dir: Path, rows: list[dict[str, Any]], *, timer: S
 
 
 def per_row_direct(kept: tuple[Any, Any], reps: int = 300) -> float:
-    """CPU milliseconds (median of ``reps``) of the work the backend adds per micro-batch when a recorder
-    listens, done on a real training forward's output: the per-row sums (``soup_core.row_sums``), their
-    copy to Python numbers, and the micro-batch event through the run's fan-out to a recorder. It mirrors
-    the few lines of the trainer's ``_soup_emit_micro_batch``, from the public API."""
-    from soup_core import MicroBatch, Recorder, row_sums
+    """CPU milliseconds (median of ``reps``) of the work the backend adds per micro-batch when a recorder listens, done
+    on a real training forward's output: the per-row sums (``soup_core.default_plugins.transformers.row_sums``), their
+    copy to Python numbers, and the micro-batch event through the run's fan-out to a recorder. It mirrors the few lines
+    of the trainer's ``_soup_emit_micro_batch``, from the public API."""
+    from soup_core import MicroBatch, Recorder
+    from soup_core.default_plugins.transformers import row_sums
     from soup_core.run_events import RunEvents
 
     class Null(Recorder):

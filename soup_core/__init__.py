@@ -1,13 +1,14 @@
-"""Soup's core: CLI, config, tracker, data pipeline, hook contract and the built-in transformers/sft.
+"""Soup's core: the hook contract a plugin implements and the few core services plugins use.
 
-This module is the public API a plugin may import. It stays light: importing it loads pluggy and the
-contract dataclasses only; the config, tracker and data APIs are loaded on first use.
+``__all__`` is the whole public API of this module (docs/plugins.md, "Public API only"). Importing it loads
+pluggy and the contract classes only; the services are loaded on first use. The transformers backend, the
+sft task, the formats, the tracker recorder and the commands are default plugins, imported from their own
+modules (:mod:`soup_core.default_plugins`). A name this module exported before is still resolved, with a
+``DeprecationWarning`` naming its new module, for the whole 0.x line (docs/plugins.md, "Migration").
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+import importlib as _importlib
+import warnings as _warnings
 
 from soup_core.contracts import (
     REQUIRED,
@@ -33,58 +34,40 @@ from soup_core.hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
 
-# name -> module that defines it; imported on first attribute access so `import soup_core` stays cheap.
+# the core services plugins use: name -> module, imported on first use so `import soup_core` stays cheap
 _LAZY = {
-    # config
-    "load_config": "soup_core.config",
-    "ConfigError": "soup_core.config",
-    "ConfigIssue": "soup_core.config",
-    # tracker
-    "Tracker": "soup_core.tracker",
-    "RunRecord": "soup_core.tracker",
-    "soup_home": "soup_core.tracker",
-    "tracked_run": "soup_core.tracker",
-    "RunStopped": "soup_core.tracker",
-    "AmbiguousRunError": "soup_core.tracker",
-    "TrackerError": "soup_core.tracker",
-    # data
-    "build_training_list": "soup_core.data",
-    "TrainingList": "soup_core.data",
-    "DataError": "soup_core.data",
-    "fingerprint_rows": "soup_core.data",
-    "micro_batches": "soup_core.data",
-    "row_text": "soup_core.data",
-    "summarize": "soup_core.data",
-    "epoch_order": "soup_core.data",
-    # the transformers backend's seams, for task plugins (import torch/transformers/trl when first used)
-    "HONOURED_FIELDS": "soup_core.default_plugins.transformers.backend",
-    "SoupTrainerMixin": "soup_core.default_plugins.transformers.trainer",
-    "SoupSFTTrainer": "soup_core.default_plugins.transformers.trainer",
-    "TrainerSetup": "soup_core.default_plugins.transformers.trainer",
-    "RowCollator": "soup_core.default_plugins.transformers.trainer",
-    "row_sums": "soup_core.default_plugins.transformers.trainer",
-    "datasets_for": "soup_core.default_plugins.transformers.trainer",
-    "BackendError": "soup_core.default_plugins.transformers.loading",
-    "resolve_target_modules": "soup_core.default_plugins.transformers.loading",
-    "resolve_dtype": "soup_core.default_plugins.transformers.loading",
-    "apply_lora": "soup_core.default_plugins.transformers.loading",
-    "load_model_and_tokenizer": "soup_core.default_plugins.transformers.loading",
-    "SFTTask": "soup_core.default_plugins.sft",
-    "encode_rows": "soup_core.default_plugins.sft",
-    "encode_example": "soup_core.default_plugins.sft",
-    "EncodingError": "soup_core.default_plugins.sft",
-    "build_tiny_model": "soup_core.default_plugins.transformers.tiny",
-    "tiny_model_dir": "soup_core.default_plugins.transformers.tiny",
-    # plugins
+    "probes": "soup_core.probes",
     "load_plugins": "soup_core.plugins",
     "PluginSet": "soup_core.plugins",
-    # probes
-    "probes": "soup_core.probes",
-    # ui
+    "load_config": "soup_core.config",
+    "ConfigError": "soup_core.config",
+    "Tracker": "soup_core.tracker",
+    "soup_home": "soup_core.tracker",
+    "AmbiguousRunError": "soup_core.tracker",
+    "build_training_list": "soup_core.data",
+    "DataError": "soup_core.data",
+    "micro_batches": "soup_core.data",
+    "row_text": "soup_core.data",
     "console": "soup_core.ui",
     "ProgressLine": "soup_core.progress",
     "atomic_write": "soup_core.io",
 }
+
+_TRANSFORMERS = "soup_core.default_plugins.transformers"
+#: names this module exported before hook API 1's contract was made small -> the module that exports them now
+_MOVED = {
+    **dict.fromkeys(
+        ("HONOURED_FIELDS", "SoupTrainerMixin", "SoupSFTTrainer", "TrainerSetup", "RowCollator", "row_sums",
+         "datasets_for", "BackendError", "resolve_target_modules", "resolve_dtype", "apply_lora",
+         "load_model_and_tokenizer", "build_tiny_model", "tiny_model_dir"),
+        _TRANSFORMERS,
+    ),
+    **dict.fromkeys(("SFTTask", "encode_rows", "encode_example", "EncodingError"), "soup_core.default_plugins.sft"),
+    "ConfigIssue": "soup_core.config",
+    **dict.fromkeys(("RunRecord", "tracked_run", "RunStopped", "TrackerError"), "soup_core.tracker"),
+    **dict.fromkeys(("TrainingList", "fingerprint_rows", "summarize", "epoch_order"), "soup_core.data"),
+}
+_warned: set[str] = set()
 
 __all__ = [
     "HOOK_API_VERSION",
@@ -115,10 +98,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'soup_core' has no attribute {name!r}")
-    if name == "probes":
-        return importlib.import_module(module)
-    return getattr(importlib.import_module(module), name)
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        module = _importlib.import_module(_LAZY[name])
+        return module if name == "probes" else getattr(module, name)
+    if name in _MOVED:
+        if name not in _warned:
+            _warned.add(name)
+            _warnings.warn(
+                f"soup_core.{name} is deprecated: import it from {_MOVED[name]} "
+                f"(from {_MOVED[name]} import {name}); the old name works until soup-core 1.0",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return getattr(_importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'soup_core' has no attribute {name!r}")

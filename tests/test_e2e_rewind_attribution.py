@@ -1,11 +1,11 @@
 """Acceptance (issue 4): the rewind log names the rows that really trained, checked through an independent
 channel, for gradient accumulation, packing, a resumed run and a 2-process DDP run.
 
-The independent channel: every data row carries its own index in its text (``row 17 asks``). A test-only
-plugin loads the model the built-in way (``soup_core.load_model_and_tokenizer``) and registers a forward
-pre-hook that writes the token ids and labels really reaching the model's forward, plus how many optimizer
-steps had run (a global torch optimizer hook), to a file. The test decodes those ids with the tokenizer,
-reads the row markers back out of the text, and compares them, per (step, micro), with ``rewind.jsonl``.
+The independent channel: every data row carries its own index in its text (``row 17 asks``). A test-only plugin loads
+the model the built-in way (``soup_core.default_plugins.transformers.load_model_and_tokenizer``) and registers a forward
+pre-hook that writes the token ids and labels really reaching the model's forward, plus how many optimizer steps had run
+(a global torch optimizer hook), to a file. The test decodes those ids with the tokenizer, reads the row markers back
+out of the text, and compares them, per (step, micro), with ``rewind.jsonl``.
 Nothing here reads the row-index plumbing the recorder uses (``row_index`` / ``token_slot``).
 """
 
@@ -392,7 +392,7 @@ def test_two_process_ddp_logs_name_each_ranks_rows(tmp_path: Path, model_dir: Pa
 def test_marker_decoding_is_independent_of_the_row_order(tokenizer) -> None:
     """The decoder reads rows from the text alone: the same ids give the same rows, in text order, and
     padding or a different encoding of the same rows changes nothing."""
-    from soup_core import encode_rows
+    from soup_core.default_plugins.sft import encode_rows
 
     rows = _rows(6)
     encoded = encode_rows([rows[4], rows[1]], tokenizer, max_length=64)  # indices restart at 0 here

@@ -53,11 +53,11 @@ def _run(tmp_path: Path, model_dir: Path, trainer_class: Any, *, packing: bool =
          trainer_kwargs: dict[str, Any] | None = None) -> tuple[Any, Recorder, list[tuple[int, dict]]]:
     """Train two steps with a task whose ``build`` is ``trainer_class.from_setup``; returns the prepared
     run (trained), its recorder and the metrics it logged."""
-    from soup_core import RowCollator, SFTTask, datasets_for
     from soup_core.config import validate_config
     from soup_core.data import build_training_list
     from soup_core.default_plugins.formats import BUILTIN_FORMATS
-    from soup_core.default_plugins.transformers import TransformersBackend
+    from soup_core.default_plugins.sft import SFTTask
+    from soup_core.default_plugins.transformers import RowCollator, TransformersBackend, datasets_for
     from soup_core.default_plugins.transformers import plugin as backend_plugin
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
@@ -103,7 +103,7 @@ def _eval_loss(metrics: list[tuple[int, dict]]) -> float:
 
 
 def _classes():
-    from soup_core import SoupSFTTrainer
+    from soup_core.default_plugins.transformers import SoupSFTTrainer
 
     class CrossEntropy(SoupSFTTrainer):
         def soup_token_loss(self, outputs, inputs):

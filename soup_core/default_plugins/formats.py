@@ -26,6 +26,7 @@ from soup_core.data.errors import type_name
 from soup_core.hookspecs import hookimpl
 
 SOUP_HOOK_API = (1, 1)
+__all__ = ["BUILTIN_FORMATS", "CHAT_ROLES", "alpaca_prompt"]
 
 CHAT_ROLES = ("system", "user", "assistant")
 

@@ -16,6 +16,7 @@ from soup_core.contracts import Backend, Task
 from soup_core.hookspecs import hookimpl
 
 SOUP_HOOK_API = (1, 1)
+__all__ = ["EncodingError", "SFTTask", "encode_example", "encode_rows", "has_generation_markers"]
 
 IGNORE = -100  # the label value transformers' losses skip
 

@@ -80,7 +80,7 @@ def test_cheap_probe_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_transformers_field_is_honoured_or_refused() -> None:
-    from soup_core import HONOURED_FIELDS as TRANSFORMERS_FIELDS
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS as TRANSFORMERS_FIELDS
 
     assert set(TRANSFORMERS_FIELDS) - set(HONOURED_FIELDS) == set(REFUSED_REASONS)
     assert HONOURED_FIELDS <= set(TRANSFORMERS_FIELDS)

@@ -53,7 +53,8 @@ def test_grpo_with_a_user_reward_uses_the_cores_row_order(rl_run, tmp_path, caps
 def test_grpo_reference_and_live_beta(rl_run):
     import torch
 
-    from soup_core import BackendError, SetCoefficient
+    from soup_core import SetCoefficient
+    from soup_core.default_plugins.transformers import BackendError
 
     result = rl_run(
         "grpo",

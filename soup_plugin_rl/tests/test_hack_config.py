@@ -51,7 +51,7 @@ class HackConfigPlugin:
 
     @hookimpl
     def soup_register_support(self) -> list[Support]:
-        from soup_core import HONOURED_FIELDS
+        from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
         own = FIELD_PATHS | {"training.beta", "training.reward_fn"}
         return [Support("transformers", t, HONOURED_FIELDS | own) for t in ("grpo", "other")]

@@ -69,7 +69,7 @@ def make_plugin(script: dict[int, list[float]], trainers: list[Any]) -> Any:
         formats = ("chat",)
 
         def encode(self, rows, tokenizer, config):
-            from soup_core import encode_rows
+            from soup_core.default_plugins.sft import encode_rows
 
             return encode_rows(rows, tokenizer, max_length=int(config.data.max_length))
 
@@ -77,7 +77,7 @@ def make_plugin(script: dict[int, list[float]], trainers: list[Any]) -> Any:
             from peft import get_peft_model_state_dict
             from trl import SFTTrainer
 
-            from soup_core import RowCollator, SoupTrainerMixin, datasets_for
+            from soup_core.default_plugins.transformers import RowCollator, SoupTrainerMixin, datasets_for
 
             class ScriptedTrainer(SoupTrainerMixin, SFTTrainer):
                 soup_coefficients = ("beta",)
@@ -128,7 +128,7 @@ def make_plugin(script: dict[int, list[float]], trainers: list[Any]) -> Any:
 
         @hookimpl
         def soup_register_support(self):
-            from soup_core import HONOURED_FIELDS
+            from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
             fields = (HONOURED_FIELDS - {"data.packing"}) | hack.FIELD_PATHS | {"training.beta"}
             return [Support("transformers", TASK, fields)]

@@ -180,7 +180,8 @@ def test_rows_are_the_cores_micro_batches(shared_run, task):
 
 
 def test_beta_is_a_live_coefficient(rl_run):
-    from soup_core import BackendError, SetCoefficient
+    from soup_core import SetCoefficient
+    from soup_core.default_plugins.transformers import BackendError
 
     result = rl_run("dpo", training={"max_steps": 2})
     trainer = result.trainer

@@ -146,7 +146,7 @@ def test_a_pre_trained_adapter_on_a_streamed_model_is_refused(tiny_model, tmp_pa
 
     from soup_plugin_streaming import testing
 
-    from soup_core import BackendError
+    from soup_core.default_plugins.transformers import BackendError
     from soup_plugin_rl.common import use_disabled_adapters_as_reference
 
     def with_trl_copy(model):  # what trl's DPOTrainer does to a PEFT model it did not wrap

@@ -26,7 +26,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, torch_one_thread) -> dict[s
     tokenizer, so only the vocabulary size differs)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from soup_core import build_tiny_model
+    from soup_core.default_plugins.transformers import build_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     student = build_tiny_model(root / "student", seed=0)

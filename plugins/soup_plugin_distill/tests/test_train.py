@@ -62,7 +62,7 @@ def _agreement(student_dir: Path, teacher_dir: Path, rows: list[dict[str, Any]])
     """The fraction of supervised positions where the student's and the teacher's greedy next tokens agree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from soup_core import encode_rows
+    from soup_core.default_plugins.sft import encode_rows
 
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
@@ -160,7 +160,7 @@ def _by_hand(student_dir: Path, teacher_dir: Path, rows, *, weight: float, tempe
     (no padding), with the textbook JS in float64 probability space."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from soup_core import encode_rows
+    from soup_core.default_plugins.sft import encode_rows
 
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     student = AutoModelForCausalLM.from_pretrained(student_dir).eval()
@@ -233,7 +233,7 @@ def test_per_row_losses_are_those_of_the_combined_objective(
     assert step_one["loss"] == pytest.approx(((1 - weight) * ce_sum + weight * kd_sum) / n, rel=1e-4)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from soup_core import encode_rows
+    from soup_core.default_plugins.sft import encode_rows
 
     model = AutoModelForCausalLM.from_pretrained(models["other"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(models["other"])
@@ -408,7 +408,7 @@ def test_setup_refuses_a_teacher_that_does_not_share_the_vocabulary(
 
 
 def test_controllers_may_change_the_coefficients_within_their_ranges():
-    from soup_core import BackendError
+    from soup_core.default_plugins.transformers import BackendError
     from soup_plugin_distill.trainer import DistillTrainer
 
     assert DistillTrainer.soup_coefficients == ("distill_weight", "distill_temperature")

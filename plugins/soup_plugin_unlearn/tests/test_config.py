@@ -137,11 +137,11 @@ def test_unlearn_fields_are_refused_for_another_task(tmp_path, plugins):
 
 
 def test_the_support_row_names_only_real_core_fields():
-    import soup_core
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
     from soup_plugin_unlearn.fields import CORE_FIELDS
 
-    assert CORE_FIELDS <= soup_core.HONOURED_FIELDS
-    assert soup_core.HONOURED_FIELDS - CORE_FIELDS == {"data.train", "data.packing", "training.eval_steps"}
+    assert CORE_FIELDS <= HONOURED_FIELDS
+    assert HONOURED_FIELDS - CORE_FIELDS == {"data.train", "data.packing", "training.eval_steps"}
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,10 @@ METHODS = ("npo", "simnpo", "rmu")
 
 
 def _encoded(tok: Any, path: Path) -> list[dict[str, Any]]:
-    import soup_core
+    from soup_core.default_plugins.sft import encode_rows
 
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    return soup_core.encode_rows(rows, tok, max_length=64)
+    return encode_rows(rows, tok, max_length=64)
 
 
 def _loss(model: Any, examples: list[dict[str, Any]], pad: int) -> float:

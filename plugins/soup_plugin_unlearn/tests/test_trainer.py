@@ -35,14 +35,14 @@ def _per_row_nll(base: Path, path: Path, max_length: int) -> tuple[list[float], 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import soup_core
+    from soup_core.default_plugins.sft import encode_rows
 
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     losses, counts = [], []
     with torch.no_grad():
-        for example in soup_core.encode_rows(rows, tok, max_length=max_length):
+        for example in encode_rows(rows, tok, max_length=max_length):
             ids = torch.tensor([example["input_ids"]])
             labels = torch.tensor([example["labels"]])
             losses.append(float(model(input_ids=ids, labels=labels).loss))

@@ -1,13 +1,39 @@
-"""The built-in transformers backend. Import-light: the engine is imported when a run is prepared."""
+"""The default plugin ``core.transformers`` (registered by :mod:`.plugin`): the transformers backend, the
+trainer base a task plugin extends, and a tiny local model for tests.
 
-from soup_core.default_plugins.transformers.backend import HONOURED_FIELDS, PreparedRun, TransformersBackend
-from soup_core.default_plugins.transformers.loading import BackendError, load_model_and_tokenizer, merge_adapter
+What a plugin imports from here (docs/plugins.md, "The trainer seam"):
 
-__all__ = [
-    "HONOURED_FIELDS",
-    "BackendError",
-    "PreparedRun",
-    "TransformersBackend",
-    "load_model_and_tokenizer",
-    "merge_adapter",
-]
+- the trainer seam: :class:`SoupTrainerMixin` (``from_setup``, ``soup_token_loss``, ``soup_row_losses``),
+  :class:`SoupSFTTrainer`, :class:`TrainerSetup`, :class:`RowCollator`, :func:`datasets_for`, :func:`row_sums`;
+- the backend: :data:`HONOURED_FIELDS` (the support row of ``(transformers, sft)``), :class:`BackendError`,
+  :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`resolve_dtype`, :func:`resolve_target_modules`,
+  :func:`merge_adapter`, :class:`TransformersBackend`;
+- a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`.
+
+Importing this package imports nothing: each name loads its module on first use (the trainer's brings torch,
+transformers and trl), so a plugin module that ``soup --help`` imports may name them inside functions.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> submodule
+_EXPORTS = {
+    **dict.fromkeys(("HONOURED_FIELDS", "PreparedRun", "TransformersBackend"), "backend"),
+    **dict.fromkeys(("BackendError", "apply_lora", "load_model_and_tokenizer", "merge_adapter", "resolve_dtype",
+                     "resolve_target_modules"), "loading"),
+    **dict.fromkeys(("RowCollator", "SoupSFTTrainer", "SoupTrainerMixin", "TrainerSetup", "datasets_for",
+                     "row_sums"), "trainer"),
+    **dict.fromkeys(("build_tiny_model", "build_tiny_tokenizer", "tiny_model_dir"), "tiny"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,9 +1,10 @@
 """The mlx backend's training loop: the sft task in MLX, step for step the recipe of the transformers
 backend.
 
-- Rows: ``ctx.training.rows`` encoded with the sft task's encoder (:func:`soup_core.encode_rows`), in
-  the core's micro-batches (:func:`soup_core.micro_batches`, the arguments the transformers backend's
-  batch sampler passes), grouped ``gradient_accumulation_steps`` at a time like the Trainer groups them.
+- Rows: ``ctx.training.rows`` encoded with the sft task's encoder
+  (:func:`soup_core.default_plugins.sft.encode_rows`), in the core's micro-batches
+  (:func:`soup_core.micro_batches`, the arguments the transformers backend's batch sampler passes), grouped
+  ``gradient_accumulation_steps`` at a time like the Trainer groups them.
 - Loss: next-token cross-entropy summed over the step's supervised tokens and divided by their count
   (the Trainer's ``num_items_in_batch``), so a step's gradient and logged loss mean what they mean there.
   Each row's loss sum and token count come out of the same forward pass.
@@ -24,16 +25,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from soup_core import (
-    MicroBatch,
-    OptimizerStep,
-    ProgressLine,
-    Rollback,
-    SetCoefficient,
-    Stop,
-    encode_rows,
-)
+from soup_core import MicroBatch, OptimizerStep, ProgressLine, Rollback, SetCoefficient, Stop
 from soup_core import micro_batches as core_micro_batches
+from soup_core.default_plugins.sft import encode_rows
 from soup_plugin_mlx import adapters
 from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 from soup_plugin_mlx.model import make_trainable

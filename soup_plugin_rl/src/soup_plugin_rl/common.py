@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from soup_core import BackendError
+from soup_core.default_plugins.transformers import BackendError
 
 
 class LiveBeta:

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Sampler
 
-from soup_core import BackendError, SoupTrainerMixin, micro_batches
+from soup_core import micro_batches
+from soup_core.default_plugins.transformers import BackendError, SoupTrainerMixin
 from soup_plugin_rl import variants as variants_mod
 from soup_plugin_rl.capabilities import check_needs, find_pair
 from soup_plugin_rl.common import (

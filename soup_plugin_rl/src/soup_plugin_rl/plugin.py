@@ -81,7 +81,7 @@ FIELDS: list[ConfigField] = [
 ]
 
 def _core_fields(task: type[RLTask]) -> frozenset[str]:
-    from soup_core import HONOURED_FIELDS
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     # Preference and GRPO examples are built by trl from the rows: there is no response-only switch and no
     # packing.

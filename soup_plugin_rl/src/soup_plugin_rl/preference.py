@@ -2,9 +2,9 @@
 simpo (CPOTrainer), orpo (ORPOTrainer) — each found where the installed trl keeps it.
 
 trl computes the loss; this module adds, at trl's seams, what Soup needs: the core's row order (through
-:class:`soup_core.SoupTrainerMixin`), the reference as the base with the adapter disabled, β as a live
-coefficient, and per-pair (kto: per-row) losses for the flight recorder, computed from the very forward
-outputs of the step (captured by a forward hook) with the loss's closed form.
+:class:`~soup_core.default_plugins.transformers.SoupTrainerMixin`), the reference as the base with the adapter
+disabled, β as a live coefficient, and per-pair (kto: per-row) losses for the flight recorder, computed from
+the very forward outputs of the step (captured by a forward hook) with the loss's closed form.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from soup_core import SoupTrainerMixin
+from soup_core.default_plugins.transformers import SoupTrainerMixin
 from soup_plugin_rl.capabilities import check_needs, find_pair, loss_type_value
 from soup_plugin_rl.common import (
     LiveBeta,

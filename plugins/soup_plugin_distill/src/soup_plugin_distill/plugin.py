@@ -82,7 +82,8 @@ def soup_register_config_fields() -> list[ConfigField]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    from soup_core import HONOURED_FIELDS  # a frozenset in the backend module; importing it stays light
+    # a frozenset in the backend module; importing it stays light
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     return [Support(backend="transformers", task=TASK, fields=frozenset(HONOURED_FIELDS) | frozenset(FIELDS))]
 
@@ -103,7 +104,7 @@ def _trainer_seams() -> ProbeResult:
     gradient accumulation is already accounted for) and the core's mixin has the seams overridden here."""
     from transformers import Trainer
 
-    from soup_core import SoupTrainerMixin
+    from soup_core.default_plugins.transformers import SoupTrainerMixin
 
     if not hasattr(Trainer, "loss_is_scaled_for_ga"):
         return ProbeResult(

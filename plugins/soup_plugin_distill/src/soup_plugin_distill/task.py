@@ -1,15 +1,16 @@
 """The ``distill`` task: the student trains on its own cross-entropy plus a divergence from a teacher.
 
-Rows are those of ``sft`` (chat, alpaca, prompt/completion, text), tokenised by the core's
-:func:`~soup_core.encode_rows`, so the supervised tokens (``data.train_on_responses_only``) are the same
-as for sft. Import-light: the trainer (torch, trl) is imported when a run builds it.
+Rows are those of ``sft`` (chat, alpaca, prompt/completion, text), tokenised by sft's
+:func:`~soup_core.default_plugins.sft.encode_rows`, so the supervised tokens (``data.train_on_responses_only``)
+are the same as for sft. Import-light: the trainer (torch, trl) is imported when a run builds it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from soup_core import Backend, SFTTask
+from soup_core import Backend
+from soup_core.default_plugins.sft import SFTTask
 
 
 class DistillTask(SFTTask):
@@ -24,7 +25,7 @@ class DistillTask(SFTTask):
         """The trainer for ``backend`` (transformers only); ``context`` is its trainer set-up."""
         if backend.name != "transformers":
             raise NotImplementedError(f"the distill task has no trainer for backend {backend.name!r}")
-        from soup_core import datasets_for
+        from soup_core.default_plugins.transformers import datasets_for
         from soup_plugin_distill.trainer import DistillTrainer
 
         train_dataset, eval_dataset = datasets_for(self, context)

@@ -1,6 +1,6 @@
 """The distillation trainer for the transformers backend.
 
-Built on the core's :class:`~soup_core.SoupTrainerMixin` (row order, per-row statistics, run events,
+Built on :class:`~soup_core.default_plugins.transformers.SoupTrainerMixin` (row order, per-row statistics, run events,
 controller actions) over trl's ``SFTTrainer`` (its construction, logging and checkpointing), with the loss
 replaced. trl computes its loss through a fused LM head that never builds the logits; distillation needs
 them, so :meth:`DistillLossTrainer.compute_loss` runs ONE ordinary student forward (logits for every
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from trl import SFTTrainer
 
-from soup_core import BackendError, SoupTrainerMixin, TrainerSetup
+from soup_core.default_plugins.transformers import BackendError, SoupTrainerMixin, TrainerSetup
 from soup_plugin_distill.bounds import TEMPERATURE_RANGE, WEIGHT_RANGE
 from soup_plugin_distill.loss import DIVERGENCES, distill_terms
 from soup_plugin_distill.teacher import check_tokenizer, check_vocabulary, load_teacher

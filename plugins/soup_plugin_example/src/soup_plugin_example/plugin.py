@@ -60,7 +60,8 @@ def soup_register_config_fields() -> list[ConfigField]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    from soup_core import HONOURED_FIELDS  # the (transformers, sft) row; importing it stays light
+    # the (transformers, sft) row; importing it stays light
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     # packing would merge rows of different weights into one sequence: not honoured, so refused
     honoured = (frozenset(HONOURED_FIELDS) - {"data.packing"}) | frozenset(FIELDS)

@@ -29,7 +29,7 @@ class WeightedSFTTask(Task):
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
         """Tokenise rows as the core's sft does and keep each row's (clipped) weight beside its tokens (the
         trainer's collator brings it into the batch as ``weight``)."""
-        from soup_core import encode_rows
+        from soup_core.default_plugins.sft import encode_rows
 
         encoded = encode_rows(
             rows,
@@ -47,7 +47,7 @@ class WeightedSFTTask(Task):
         """The trainer for ``backend`` (only ``transformers``); ``setup`` is its ``TrainerSetup``."""
         if backend.name != "transformers":
             raise NotImplementedError(f"task {TASK} has no trainer for backend {backend.name!r}")
-        from soup_core import datasets_for
+        from soup_core.default_plugins.transformers import datasets_for
 
         from soup_plugin_example.trainer import WeightedSFTTrainer
 

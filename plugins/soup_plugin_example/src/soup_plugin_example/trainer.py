@@ -2,16 +2,16 @@
 
 ``SoupTrainerMixin`` (first in the bases) gives the run the core's row order, the per-row losses that
 ``soup rewind`` reads (taken from the same forward pass, through a hook), the optimizer-step events and
-the controller actions; :meth:`~soup_core.SoupTrainerMixin.from_setup` builds the trainer from the run's
-set-up. Only the loss is this plugin's: :meth:`compute_loss` below. Heavy imports are at module level here
-because this module is imported only when a run builds its trainer.
+the controller actions; :meth:`~soup_core.default_plugins.transformers.SoupTrainerMixin.from_setup` builds
+the trainer from the run's set-up. Only the loss is this plugin's: :meth:`compute_loss` below. Heavy imports
+are at module level here because this module is imported only when a run builds its trainer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from soup_core import RowCollator, SoupTrainerMixin, TrainerSetup
+from soup_core.default_plugins.transformers import RowCollator, SoupTrainerMixin, TrainerSetup
 from trl import SFTTrainer
 
 from soup_plugin_example.loss import weighted_loss

@@ -1,10 +1,9 @@
 """The ``focal`` plugin's hooks: imported at every CLI start, so nothing heavy here (``build`` imports the trainer)."""
 
-from __future__ import annotations
-
 from typing import Any
 
-from soup_core import ConfigField, SFTTask, Support, hookimpl
+from soup_core import ConfigField, Support, hookimpl
+from soup_core.default_plugins.sft import SFTTask
 
 SOUP_HOOK_API = (1, 1)
 TASK, GAMMA = "focal_sft", "training.focal_gamma"
@@ -18,7 +17,7 @@ class FocalTask(SFTTask):
     capabilities = frozenset({"per_row_losses"})  # soup rewind reads its runs
 
     def build(self, backend: Any, setup: Any) -> Any:  # backend: transformers, the only one in the support row
-        from soup_core import datasets_for
+        from soup_core.default_plugins.transformers import datasets_for
         from soup_plugin_focal.trainer import FocalTrainer
 
         trainer = FocalTrainer.from_setup(setup, *datasets_for(self, setup))
@@ -38,6 +37,6 @@ def soup_register_config_fields() -> list[ConfigField]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    from soup_core import HONOURED_FIELDS
+    from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     return [Support("transformers", TASK, HONOURED_FIELDS | {GAMMA})]

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from soup_core import SoupSFTTrainer
+from soup_core.default_plugins.transformers import SoupSFTTrainer
 
 
 class FocalTrainer(SoupSFTTrainer):

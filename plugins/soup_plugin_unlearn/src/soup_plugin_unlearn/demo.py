@@ -82,7 +82,7 @@ def write_demo(folder: str | Path, *, base: str | Path | None = None) -> dict[st
     out = Path(folder).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if base is None:
-        from soup_core import tiny_model_dir
+        from soup_core.default_plugins.transformers import tiny_model_dir
 
         base = tiny_model_dir(**TINY)
     written: dict[str, Path] = {}

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from soup_core import HONOURED_FIELDS as SFT_HONOURED  # the (transformers, sft) row; light to import
 from soup_core.contracts import ConfigField
+
+# the (transformers, sft) row; light to import
+from soup_core.default_plugins.transformers import HONOURED_FIELDS as SFT_HONOURED
 
 TASK = "unlearn"
 METHODS = ("npo", "simnpo", "rmu")

@@ -123,7 +123,9 @@ def evaluate_run(
             hf_logging.enable_progress_bar()
 
     def encode(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return soup_core.encode_rows(
+        from soup_core.default_plugins.sft import encode_rows
+
+        return encode_rows(
             rows,
             tokenizer,
             max_length=int(data.get("max_length", 1024)),

@@ -30,7 +30,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import IntervalStrategy
 
-from soup_core import BackendError, RowCollator, SoupTrainerMixin, atomic_write, encode_rows, micro_batches
+from soup_core import atomic_write, micro_batches
+from soup_core.default_plugins.sft import encode_rows
+from soup_core.default_plugins.transformers import BackendError, RowCollator, SoupTrainerMixin
 from soup_plugin_unlearn.evaluate import SET_ORDER, measure
 from soup_plugin_unlearn.fields import resolved
 from soup_plugin_unlearn.losses import (
