@@ -42,17 +42,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"soup_core.data.{module}"), name)
 
 
-__all__ = [
-    "DETECT_LIMIT",
-    "DataError",
-    "TrainingList",
-    "build_training_list",
-    "canonical_row",
-    "epoch_order",
-    "fingerprint_rows",
-    "micro_batches",
-    "read_records",
-    "row_text",
-    "split_indices",
-    "summarize",
-]
+__all__ = [*_EXPORTS]

@@ -1,4 +1,4 @@
-"""From the config's data section to the training list (DESIGN.md §5, "The row index").
+"""From the config's data section to the training list.
 
 The training list is the normalised examples in training order, after bad rows are skipped (when asked)
 and the validation rows are held out. A row's index is its position in that list; the fingerprint is
@@ -30,7 +30,7 @@ BAD_ROW_MODES = ("error", "skip")
 
 @dataclass
 class TrainingList:
-    """The rows a run trains on. ``rows[i]`` is training row ``i`` (the row index of DESIGN.md §5)."""
+    """The rows a run trains on. ``rows[i]`` is training row ``i`` (its row index)."""
 
     rows: list[dict[str, Any]]
     val_rows: list[dict[str, Any]]

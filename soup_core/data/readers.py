@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -230,11 +231,9 @@ def _read_parquet(path: Path, display: str) -> Iterator[RawItem]:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises its own ArrowInvalid / ArrowException types
         raise DataError(display, None, f"not a readable parquet file: {exc}") from exc
-    number = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            number += 1
-            yield number, "record", record
+    records = chain.from_iterable(batch.to_pylist() for batch in parquet.iter_batches(batch_size=1024))
+    for number, record in enumerate(records, 1):
+        yield number, "record", record
 
 
 def _read_saved(path: Path, display: str) -> Iterator[RawItem]:
@@ -260,7 +259,7 @@ def _read_saved(path: Path, display: str) -> Iterator[RawItem]:
                 f"folder, e.g. {display.rstrip('/')}/{splits[0]}",
             )
     number = 0
-    for batch in loaded.iter(batch_size=1000):
+    for batch in loaded.iter(batch_size=1000):  # by batch: iterating a Dataset row by row is much slower
         columns = list(batch)
         size = len(batch[columns[0]]) if columns else 0
         for i in range(size):

@@ -35,18 +35,4 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f"soup_core.tracker.{module}"), name)
 
 
-__all__ = [
-    "CRASHED",
-    "END_STATUSES",
-    "SCHEMA_VERSION",
-    "AmbiguousRunError",
-    "RunRecord",
-    "RunStopped",
-    "Tracker",
-    "TrackerError",
-    "new_run_id",
-    "pid_alive",
-    "process_start_ticks",
-    "soup_home",
-    "tracked_run",
-]
+__all__ = [*_EXPORTS]

@@ -325,27 +325,25 @@ class Tracker:
         if status not in END_STATUSES:
             raise ValueError(f"status must be one of {sorted(END_STATUSES)}, not {status!r}")
         with self._write() as conn:
-            row = None if conn is None else conn.execute(
-                "SELECT summary_json FROM runs WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if row is None:
-                raise self._missing(run_id)
-            merged = {**json.loads(row[0] or "{}"), **dict(summary or {})}
+            merged = self._merged_summary(conn, run_id, summary or {})
             conn.execute(
                 "UPDATE runs SET status = ?, error = ?, ended_at = ?, summary_json = ? WHERE run_id = ?",
-                (status, error, time.time(), _dumps(merged), run_id),
+                (status, error, time.time(), merged, run_id),
             )
 
     def update_summary(self, run_id: str, summary: Mapping[str, Any]) -> None:
         """Merge ``summary`` into the run's stored summary (final loss, steps, ...) without ending it."""
         with self._write() as conn:
-            row = None if conn is None else conn.execute(
-                "SELECT summary_json FROM runs WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if row is None:
-                raise self._missing(run_id)
-            merged = {**json.loads(row[0] or "{}"), **dict(summary)}
-            conn.execute("UPDATE runs SET summary_json = ? WHERE run_id = ?", (_dumps(merged), run_id))
+            merged = self._merged_summary(conn, run_id, summary)
+            conn.execute("UPDATE runs SET summary_json = ? WHERE run_id = ?", (merged, run_id))
+
+    def _merged_summary(self, conn: sqlite3.Connection | None, run_id: str, summary: Mapping[str, Any]) -> str:
+        """The run's stored summary with ``summary`` merged in, as JSON; LookupError when there is no such run."""
+        query = "SELECT summary_json FROM runs WHERE run_id = ?"
+        row = None if conn is None else conn.execute(query, (run_id,)).fetchone()
+        if row is None:
+            raise self._missing(run_id)
+        return _dumps({**json.loads(row[0] or "{}"), **dict(summary)})
 
     def delete_run(self, run_id: str) -> bool:
         """Delete the run and its metrics; False when there was no such run."""
@@ -435,10 +433,6 @@ class Tracker:
 # ------------------------------------------------------------------------------------- tracked_run
 
 
-def _report(message: str) -> None:
-    print(f"soup tracker: {message}", file=sys.stderr, flush=True)
-
-
 def _error_text(exc: BaseException) -> str:
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -459,7 +453,8 @@ def tracked_run(tracker: Tracker, **start_kwargs: Any) -> Iterator[str]:
         try:
             tracker.finish_run(run_id, status, error=error)
         except Exception as exc:  # noqa: BLE001 - the run's own result matters more than its row
-            _report(f"could not record run {run_id} as {status}: {_error_text(exc)}")
+            message = f"could not record run {run_id} as {status}: {_error_text(exc)}"
+            print(f"soup tracker: {message}", file=sys.stderr, flush=True)
 
     try:
         yield run_id
