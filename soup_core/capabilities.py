@@ -36,7 +36,6 @@ class PluginInfo:
                 "hook_api": list(self.hook_api) if self.hook_api else None}
 
 
-
 class Capabilities:
     """The support table and the probe verdicts. Needs ``plugins`` (name -> info with ``status``,
     ``probes``, ``details``), ``backends`` and ``tasks`` registries from the class it is mixed into."""

@@ -1,10 +1,8 @@
 """What a plugin registers: backends, tasks, data formats, recorders, controllers, commands, config fields,
-probes and support-table entries (DESIGN.md §2, §4a).
+probes and support-table entries (docs/plugins.md, "What a plugin can register").
 
-Everything here is import-light (no torch, no transformers): ``soup --help`` imports this module. Heavy
-work belongs inside methods, which import what they need when called. Immutable records are
-``NamedTuple`` rather than frozen dataclasses: their classes cost a sixth as much to create, which
-matters at every start of the CLI.
+Import-light: ``soup --help`` imports this module; heavy work belongs inside methods. Immutable records are
+``NamedTuple`` rather than frozen dataclasses: their classes cost a sixth as much to create, at every start.
 """
 
 from __future__ import annotations

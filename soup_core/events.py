@@ -1,4 +1,4 @@
-"""The events a run emits to recorders and controllers (DESIGN.md §4a).
+"""The events a run emits to recorders and controllers (docs/plugins.md, "Run events, recorders and controllers").
 
 Immutable records (``NamedTuple``: creating the classes costs a sixth of frozen dataclasses, and every
 ``soup`` command imports this module). A backend constructs them, the core fans them out. Fields are only

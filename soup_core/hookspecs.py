@@ -1,17 +1,8 @@
-"""Every hook Soup calls, in one place (DESIGN.md §2).
+"""Every hook Soup calls, in one place; docs/plugins.md ("Hooks, one by one") is their reference.
 
-Two kinds:
-
-* **Registration hooks** (``soup_register_*``) return lists of named things. The core collects them into
-  registries keyed by name; a duplicate name is an error that names both plugins. They are called once
-  per process, at plugin load, and must be cheap: no heavy imports, no I/O.
-* **Lifecycle hooks** are called during a run: model loading (``firstresult``) and pre-flight checks.
-  Run events (start, micro-batch, optimizer step, end) reach the :class:`~soup_core.contracts.Recorder`
-  and :class:`~soup_core.contracts.Controller` objects a plugin registers, so each run gets its own
-  instances and each observer can be guarded on its own.
-
-A plugin is a module (or object) that implements some of these with ``@soup_core.hookimpl`` and declares
-``SOUP_HOOK_API = (min, max)``: the hook-API versions it supports. The API grows by adding hooks or
+Registration hooks (``soup_register_*``) return lists of named things, once per process at plugin load, and
+must be cheap (no heavy imports, no I/O). Lifecycle hooks are called during a run. Run events reach the
+``Recorder`` and ``Controller`` instances a plugin registers, not hooks. The API grows by adding hooks or
 arguments, never by changing one in place; an implementation may take fewer arguments than its spec.
 """
 

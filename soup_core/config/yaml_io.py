@@ -57,14 +57,8 @@ def _walk(node: yaml.Node, prefix: str, positions: Positions, issues: list[Confi
             path = f"{prefix}.{key}" if prefix else key
             line, column = key_node.start_mark.line + 1, key_node.start_mark.column + 1
             if key in seen:
-                issues.append(
-                    ConfigIssue(
-                        path=path,
-                        message=f"duplicate key (first set on line {seen[key]}; only one may be given)",
-                        line=line,
-                        column=column,
-                    )
-                )
+                message = f"duplicate key (first set on line {seen[key]}; only one may be given)"
+                issues.append(ConfigIssue(path, message, line=line, column=column))
                 continue
             seen[key] = line
             positions[path] = (line, column)

@@ -1,15 +1,7 @@
 """Soup's data pipeline: local files → validated, normalised training rows → the core's row order.
 
 Pure Python (no torch, no datasets at import): ``soup rewind`` rebuilds the training list later without a
-model. The pieces:
-
-- :func:`read_records`: raw records from .jsonl / .json / .csv (stdlib) and .parquet / save_to_disk
-  folders (pyarrow / datasets, imported when called).
-- the formats themselves are registered by plugins; chat, alpaca, prompt_completion and text by the
-  default plugin ``core.formats`` (:mod:`soup_core.default_plugins.formats`).
-- :func:`build_training_list`: the :class:`TrainingList` (rows in training order, so a row's index is its
-  position; validation rows held out; a fingerprint of the rows).
-- :func:`micro_batches` / :func:`epoch_order`: which rows form every micro-batch of every epoch, per rank.
+model. The formats are registered by plugins (the four built-in ones by :mod:`soup_core.default_plugins.formats`).
 """
 
 from __future__ import annotations

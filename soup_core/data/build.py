@@ -130,12 +130,9 @@ def _candidates(formats: Mapping[str, DataFormat], accepted: Sequence[str] | Non
     if accepted:
         pool = [formats[n] for n in accepted if n in formats]
         if not pool:
-            raise DataError(
-                "",
-                None,
-                f"none of the formats this task accepts ({', '.join(accepted)}) is registered; "
-                f"registered formats: {', '.join(sorted(formats)) or 'none'}",
-            )
+            registered = ", ".join(sorted(formats)) or "none"
+            message = f"none of the formats this task accepts ({', '.join(accepted)}) is registered"
+            raise DataError("", None, f"{message}; registered formats: {registered}")
     else:
         pool = list(formats.values())
     return sorted(pool, key=lambda f: (-f.priority, f.name))
@@ -143,18 +140,12 @@ def _candidates(formats: Mapping[str, DataFormat], accepted: Sequence[str] | Non
 
 def _explicit(name: str, formats: Mapping[str, DataFormat], accepted: Sequence[str] | None) -> DataFormat:
     if name not in formats:
-        raise DataError(
-            "",
-            None,
-            f"data.format: unknown format {name!r}; registered formats: {', '.join(sorted(formats))} (or auto)",
-            fix="set data.format to one of the registered formats, or install the plugin that adds it",
-        )
+        message = f"data.format: unknown format {name!r}; registered formats: {', '.join(sorted(formats))} (or auto)"
+        fix = "set data.format to one of the registered formats, or install the plugin that adds it"
+        raise DataError("", None, message, fix=fix)
     if accepted and name not in accepted:
-        raise DataError(
-            "",
-            None,
-            f"data.format: this task does not accept format {name!r}; it accepts: {', '.join(accepted)}",
-        )
+        message = f"data.format: this task does not accept format {name!r}; it accepts: {', '.join(accepted)}"
+        raise DataError("", None, message)
     return formats[name]
 
 
@@ -184,12 +175,8 @@ def _detect(items: Iterator[Item], candidates: list[DataFormat], shown: str) -> 
     if not seen:
         raise DataError(shown, None, "no rows: the data set is empty")
     if not records:
-        first = seen[0][3]
-        raise DataError(
-            shown,
-            None,
-            f"no readable record among the first {len(seen)} to detect the format from; the first problem: {first}",
-        )
+        message = f"no readable record among the first {len(seen)} to detect the format from"
+        raise DataError(shown, None, f"{message}; the first problem: {seen[0][3]}")
     display, number, unit, record = records[0]
     keys = ", ".join(sorted(map(str, record))) or "none"  # type: ignore[arg-type]
     raise DataError(
@@ -274,11 +261,8 @@ def build_training_list(
     if not examples:
         if not skipped:
             raise DataError(shown, None, "no rows: the data set is empty")
-        raise DataError(
-            shown,
-            None,
-            f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}",
-        )
+        message = f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}"
+        raise DataError(shown, None, message)
 
     held = set(split_indices(len(examples), float(val_split), seed))
     rows = [row for i, row in enumerate(examples) if i not in held]

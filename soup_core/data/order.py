@@ -1,9 +1,8 @@
-"""The core's row order (DESIGN.md §4a, "The order of rows is the core's").
+"""The core's row order: the core, not a backend, decides which rows form every micro-batch of every epoch.
 
-The core, not a backend, decides which training rows form every micro-batch of every epoch, so two
-backends given one config see the same rows in the same micro-batches, and a recorder's row indices mean
-the same thing everywhere. Pure Python: ``random.Random`` seeded with a string, which Python hashes with
-SHA-512 (seed version 2), so the order is identical across processes, platforms and Python versions
+So two backends given one config see the same rows in the same micro-batches, and a recorder's row indices
+mean the same thing everywhere. Pure Python: ``random.Random`` seeded with a string, which Python hashes
+with SHA-512 (seed version 2), so the order is identical across processes, platforms and Python versions
 ≥ 3.10 (``Random.shuffle`` has drawn the same way since 3.2).
 """
 

@@ -57,12 +57,9 @@ def source_kind(path: Path, display: str) -> str:
             (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
         ):
             return "saved"
-        raise DataError(
-            display,
-            None,
-            "is a folder that datasets' save_to_disk did not write (no state.json/dataset_info.json or "
-            f"dataset_dict.json); point at a data file instead ({SUPPORTED})",
-        )
+        message = ("is a folder that datasets' save_to_disk did not write (no state.json/dataset_info.json or "
+                   f"dataset_dict.json); point at a data file instead ({SUPPORTED})")
+        raise DataError(display, None, message)
     if not path.exists():
         raise DataError(display, None, f"not found (looked for {path.absolute()})")
     kind = _SUFFIXES.get(path.suffix.lower())
@@ -159,11 +156,8 @@ def _json_records(document: Any, display: str) -> list[Any]:
     if isinstance(document, list):
         return document
     if not isinstance(document, dict):
-        raise DataError(
-            display,
-            None,
-            f"expected a list of records or an object holding one, got {type_name(document)}",
-        )
+        message = f"expected a list of records or an object holding one, got {type_name(document)}"
+        raise DataError(display, None, message)
     lists = [value for value in document.values() if isinstance(value, list)]
     if len(lists) == 1:
         items = lists[0]
@@ -252,12 +246,9 @@ def _read_saved(path: Path, display: str) -> Iterator[RawItem]:
         elif len(splits) == 1:
             loaded = loaded[splits[0]]
         else:
-            raise DataError(
-                display,
-                None,
-                f"holds several splits ({', '.join(splits)}) and none is 'train'; point at one split's "
-                f"folder, e.g. {display.rstrip('/')}/{splits[0]}",
-            )
+            message = (f"holds several splits ({', '.join(splits)}) and none is 'train'; point at one split's "
+                       f"folder, e.g. {display.rstrip('/')}/{splits[0]}")
+            raise DataError(display, None, message)
     number = 0
     for batch in loaded.iter(batch_size=1000):  # by batch: iterating a Dataset row by row is much slower
         columns = list(batch)

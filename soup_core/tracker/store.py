@@ -278,7 +278,10 @@ class Tracker:
 
     def set_output_dir(self, run_id: str, path: str | os.PathLike[str]) -> None:
         """Record where the run writes its checkpoints and model."""
-        self._update(run_id, "UPDATE runs SET output_dir = ? WHERE run_id = ?", (str(path), run_id))
+        with self._write() as conn:
+            sql = "UPDATE runs SET output_dir = ? WHERE run_id = ?"
+            if conn is None or conn.execute(sql, (str(path), run_id)).rowcount == 0:
+                raise self._missing(run_id)
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, Any]) -> int:
         """Store the measured metrics of ``step``; returns how many values were written.
@@ -352,11 +355,6 @@ class Tracker:
                 return False
             conn.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
             return conn.execute("DELETE FROM runs WHERE run_id = ?", (run_id,)).rowcount > 0
-
-    def _update(self, run_id: str, sql: str, params: tuple[Any, ...]) -> None:
-        with self._write() as conn:
-            if conn is None or conn.execute(sql, params).rowcount == 0:
-                raise self._missing(run_id)
 
     # -- readers ------------------------------------------------------------------------------------
 
