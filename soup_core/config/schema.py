@@ -125,20 +125,8 @@ class SoupConfig(_Section):
 
 
 # Handled by the core itself, whatever the backend and task: never refused by the support table.
-ALWAYS_HONOURED = frozenset(
-    {
-        "base",
-        "task",
-        "backend",
-        "output",
-        "experiment_name",
-        "data.train",
-        "data.format",
-        "data.val_split",
-        "data.seed",
-        "data.on_bad_row",
-    }
-)
+ALWAYS_HONOURED = frozenset({"base", "task", "backend", "output", "experiment_name", "data.train", "data.format",
+                             "data.val_split", "data.seed", "data.on_bad_row"})
 
 
 def section_class(annotation: Any) -> type[BaseModel] | None:
@@ -213,31 +201,23 @@ class ConfigSchema:
         """Refuse a plugin path that collides with a core field or section, or nests under a leaf."""
         core = {path: section for path, _, section in iter_fields(SoupConfig)}
         for path, config_field in self.fields.items():
+            plugin = f"plugin {self.owner(path)!r}"
             if config_field.path != path:
-                raise ValueError(
-                    f"plugin {self.owner(path)!r} registered config field {config_field.path!r} under the key {path!r}"
-                )
+                raise ValueError(f"{plugin} registered config field {config_field.path!r} under the key {path!r}")
             parts = path.split(".")
             if not all(part.isidentifier() for part in parts):
-                raise ValueError(f"plugin {self.owner(path)!r} declares an invalid config path {path!r}")
+                raise ValueError(f"{plugin} declares an invalid config path {path!r}")
+            declares = f"{plugin} declares config field {path!r}"
             if path in core:
                 kind = "section" if core[path] is not None else "field"
-                raise ValueError(
-                    f"plugin {self.owner(path)!r} declares config field {path!r}, which is a core {kind}; "
-                    f"a plugin must use a new name"
-                )
+                raise ValueError(f"{declares}, which is a core {kind}; a plugin must use a new name")
             for i in range(1, len(parts)):
                 ancestor = ".".join(parts[:i])
                 if ancestor in core and core[ancestor] is None:
-                    raise ValueError(
-                        f"plugin {self.owner(path)!r} declares config field {path!r}, but {ancestor!r} "
-                        f"is a core field, not a section"
-                    )
+                    raise ValueError(f"{declares}, but {ancestor!r} is a core field, not a section")
                 if ancestor in self.fields:
-                    raise ValueError(
-                        f"plugin {self.owner(path)!r} declares config field {path!r}, but {ancestor!r} "
-                        f"is a field of plugin {self.owner(ancestor)!r}, not a section"
-                    )
+                    owner = self.owner(ancestor)
+                    raise ValueError(f"{declares}, but {ancestor!r} is a field of plugin {owner!r}, not a section")
 
     # --------------------------------------------------------------------------------- the model
 
