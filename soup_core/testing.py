@@ -5,8 +5,10 @@ Enable the fixtures with one line in a test suite's top-level ``conftest.py``:
 (session: a tiny local Llama and tokenizer), ``torch_one_thread`` (session) and ``run_training`` (one
 in-process ``soup train``, returning a :class:`TrainingResult` with the run's events). The helpers build plugin
 sets (:func:`isolated_plugins`, :func:`registered_plugin`, :func:`plugin_from`), train (:func:`train_in_process`),
-lay out an installed distribution (:func:`make_distribution`), run the CLI in a subprocess (:func:`run_soup`) and
-write files (:func:`write_jsonl`, :func:`write_yaml`). docs/plugins.md, "4. Testing a plugin", shows them in use.
+lay out an installed distribution (:func:`make_distribution`), run the CLI in a subprocess (:func:`run_soup`),
+write files (:func:`write_jsonl`, :func:`write_yaml`) and name a source file's imports of soup-core outside its
+public API (:func:`private_core_imports`, :data:`PUBLIC_MODULES`). docs/plugins.md, "4. Testing a plugin",
+shows them in use.
 
 Importing this module imports the core's contracts and nothing heavy (no torch, transformers, peft, trl,
 datasets, mlx, nor the plugin manager): every fixture and helper imports what it needs when it runs.
@@ -14,7 +16,9 @@ datasets, mlx, nor the plugin manager): every fixture and helper imports what it
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -431,6 +435,77 @@ def run_soup(
         cwd=cwd,
         timeout=timeout,
     )
+
+
+# ------------------------------------------------------------------------------------------ the public API
+
+#: The core's documented public modules (docs/plugins.md, "Public API only"). A plugin imports these, and of
+#: each only the names it exports (its ``__all__``; else the names without a leading underscore).
+PUBLIC_MODULES = frozenset({
+    "soup_core", "soup_core.hookspecs", "soup_core.contracts", "soup_core.events", "soup_core.probes",
+    "soup_core.testing", "soup_core.config", "soup_core.data", "soup_core.tracker",
+    "soup_core.default_plugins.transformers", "soup_core.default_plugins.sft", "soup_core.default_plugins.formats",
+})
+
+
+@functools.cache
+def _exports(module: str) -> frozenset[str]:
+    import importlib
+
+    namespace = vars(importlib.import_module(module))
+    exported = namespace.get("__all__")
+    return frozenset(exported if exported is not None else (n for n in namespace if not n.startswith("_")))
+
+
+def _is_core(module: str) -> bool:
+    return module == "soup_core" or module.startswith("soup_core.")
+
+
+def _private_use(dotted: str) -> bool:
+    """Whether ``soup_core.a.b...`` (a module, or a name in one) reaches past the public API."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        module = ".".join(parts[:k])
+        if module in PUBLIC_MODULES:
+            return k < len(parts) and parts[k] not in _exports(module)
+    return True
+
+
+def _dotted(node: ast.expr) -> str:
+    """``a.b.c`` for an attribute chain on a name; "" for anything else (a call, a subscript)."""
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def private_core_imports(source: str) -> list[str]:
+    """What ``source`` (a plugin's Python file) uses of soup-core outside its public API, one line each:
+    a module not in :data:`PUBLIC_MODULES` (``import soup_core.ui``, ``from soup_core.tiny import ...``, also
+    ``importlib.import_module`` / ``__import__`` of a literal name), or a name a public module does not export
+    (``from soup_core import _LAZY``, a deprecated alias such as ``soup_core.SFTTask``, ``soup_core.data.build``).
+    Imports inside functions count too. An empty list: ``source`` uses the public API only."""
+    found: list[tuple[int, str]] = []
+    tree = ast.parse(source)
+    inner = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [(line, f"import {a.name}") for a in node.names if _is_core(a.name) and _private_use(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_core(node.module or ""):
+            found += [(line, f"from {node.module} import {a.name}") for a in node.names
+                      if _private_use(f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:  # the whole chain, once
+            dotted = _dotted(node)
+            if _is_core(dotted) and _private_use(dotted):
+                found.append((line, dotted))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func, target = node.func, node.args[0].value
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(target, str) and _is_core(target) \
+                    and target not in PUBLIC_MODULES:
+                found.append((line, f"{name}({target!r})"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
 
 
 # ------------------------------------------------------------------------------------------ the pytest plugin

@@ -31,13 +31,13 @@ def export(
     folds into the base model.
 
     Exit codes: 0 converted; 1 not an mlx LoRA adapter, unknown format, or output not empty."""
+    from rich.console import Console
     from rich.markup import escape
 
     from soup_core import console
-    from soup_core.ui import err_console
 
     def fail(message: str) -> None:
-        err_console.print(f"[bold red]error:[/] {escape(message)}")
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
         raise typer.Exit(1)
 
     if to not in FORMATS:

@@ -2,12 +2,12 @@
 benchmark are made of), and the locally built models and data they train on.
 
 How one run is measured (:func:`measure`, in its own process: ``python -m soup_plugin_streaming.harness
-CONFIG OUT``): the streaming plugin is registered with its own hooks plus two observers that change
-nothing. Its model-loading hook first reads the baseline (``RssAnon``, after the imports, the config and
-the training rows, before any model bytes); a recorder opens the measurement window at run start (the
-model and trainer are built) and closes it at run end (see :mod:`~soup_plugin_streaming.memwatch`). The
-recorder wants micro-batch events, as ``soup rewind``'s does, so the per-row statistics are part of what
-is measured.
+CONFIG OUT``, through the test kit's :func:`~soup_core.testing.train_in_process`): the streaming plugin is
+registered with its own hooks plus two observers that change nothing (and the kit's event recorder). Its
+model-loading hook first reads the baseline (``RssAnon``, after the imports, the config and the training
+rows, before any model bytes); a recorder opens the measurement window at run start (the model and trainer
+are built) and closes it at run end (see :mod:`~soup_plugin_streaming.memwatch`). The recorder wants
+micro-batch events, as ``soup rewind``'s does, so the per-row statistics are part of what is measured.
 
 Import-light at module level; torch and the core's training code are imported by the functions that run
 models.
@@ -20,6 +20,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def build_model(folder: Path, spec: dict[str, Any], *, seed: int = 0, tokenizer_
     The model's vocabulary may be larger than the tokenizer's (the extra rows are never read, but they
     are what a real vocabulary costs in embeddings and logits)."""
     import torch
-    from soup_core.default_plugins.transformers.tiny import build_tiny_tokenizer
+    from soup_core.default_plugins.transformers import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     if (folder / "config.json").is_file() and list(folder.glob("*.safetensors")):
@@ -232,8 +233,7 @@ def measure(config_path: Path, out: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from soup_core.default_plugins.commands.train_cmd import run_train_command
-    from soup_core.testing import registered_plugin
+    from soup_core.testing import TrainingFailed, train_in_process
 
     from soup_plugin_streaming import memwatch
 
@@ -241,8 +241,12 @@ def measure(config_path: Path, out: Path) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     measured = _measuring_plugin(window, steps)
     started = time.perf_counter()
-    with registered_plugin("streaming", measured):
-        code = run_train_command(Path(config_path), overrides={}, dry_run=False)
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            train_in_process(config_path, workdir=workdir, plugins=[("streaming", measured)], installed=False)
+            code = 0
+        except TrainingFailed as failed:
+            code = failed.exit_code
     state = measured.state
     result: dict[str, Any] = {
         "exit_code": code,
