@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-
 from rich.console import Console
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def fail(message: str, *, code: int = 1) -> None:
-    """Print one plain error message to stderr and exit with ``code`` (no traceback)."""
-    err_console.print(f"[bold red]error:[/] {message}", markup=True)
-    sys.exit(code)
+def print_error(message: str) -> None:
+    """One plain error message on stderr (``error: ...``); ``message`` is shown as written, never as markup."""
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}")

@@ -222,6 +222,7 @@ def case_training_resume_from(sft_run, rows, tmp_path):
 
 
 def case_training_report_to(sft_run, rows, tmp_path):
+    from soup_core import ProbeResult
     from soup_core.default_plugins.transformers import BackendError
     from soup_core.default_plugins.transformers import backend as backend_module
 
@@ -230,12 +231,12 @@ def case_training_report_to(sft_run, rows, tmp_path):
     run, _ = sft_run(rows(8))
     config = run.ctx.config.model_copy(deep=True)
     config.training.report_to = ["tensorboard"]
-    real = backend_module._module_present
-    backend_module._module_present = lambda name: True  # as if tensorboard were installed
+    real = backend_module.module_findable
+    backend_module.module_findable = lambda name: ProbeResult(True)  # as if tensorboard were installed
     try:
         args = backend_module.build_training_args(config, tmp_path / "x", has_eval=False)
     finally:
-        backend_module._module_present = real
+        backend_module.module_findable = real
     assert args.report_to == ["tensorboard"] and run.trainer.args.report_to == []
 
 

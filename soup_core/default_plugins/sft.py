@@ -41,10 +41,6 @@ def _ids(encoding: Any) -> list[int]:
     return list(ids)
 
 
-def _eos(tokenizer: Any) -> int | None:
-    return tokenizer.eos_token_id
-
-
 def _encode_chat(messages: Sequence[Mapping[str, str]], tokenizer: Any, responses_only: bool):
     if not getattr(tokenizer, "chat_template", None):
         raise EncodingError(
@@ -111,7 +107,7 @@ def encode_example(
     Truncated to ``max_length`` tokens from the start. A row may end up with no trained token (all of it
     truncated away): it is kept, so row indices never shift; its loss is then NaN with 0 tokens.
     """
-    eos = _eos(tokenizer)
+    eos = tokenizer.eos_token_id
     if "messages" in example:
         ids, labels = _encode_chat(example["messages"], tokenizer, train_on_responses_only)
     elif "prompt" in example and "completion" in example:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from soup_core import distributions
+from soup_core.probes import module_findable
 
 OK, MISSING, OUT_OF_RANGE, OPTIONAL, NOT_APPLICABLE = "ok", "missing", "out of range", "optional", "not applicable"
 
@@ -182,20 +183,11 @@ def fix_command(checks: Sequence[DependencyCheck]) -> str | None:
 # ------------------------------------------------------------------------------------------- devices
 
 
-def _findable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def device_report() -> dict[str, Any]:
     """CPU, CUDA (each device: name, capability, memory, bf16 without emulation), MPS and MLX."""
     import platform
     out: dict[str, Any] = {"cpu": {"cores": os.cpu_count(), "machine": platform.machine()}}
-    if not _findable("torch"):
+    if not module_findable("torch").ok:
         reason = 'torch is not installed (pip install "soup-core[train]")'
         out.update(torch=None, cuda={"available": False, "reason": reason}, mps={"available": False, "reason": reason})
     else:
@@ -241,7 +233,7 @@ def _torch_devices() -> dict[str, Any]:
 
 
 def _mlx_device() -> dict[str, Any]:
-    if not _findable("mlx"):
+    if not module_findable("mlx").ok:
         return {"available": False, "reason": "mlx is not installed"}
     try:
         import mlx.core as mx

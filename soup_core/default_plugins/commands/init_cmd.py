@@ -88,21 +88,20 @@ def init(
     from rich.markup import escape
 
     from soup_core.io import atomic_write
-    from soup_core.ui import console, err_console
+    from soup_core.ui import console, print_error
 
     if template not in TEMPLATES:
-        err_console.print(f"[bold red]error:[/] unknown template {escape(template)!r}; "
-                          f"choose one of: {', '.join(TEMPLATES)}")
+        print_error(f"unknown template {template!r}; choose one of: {', '.join(TEMPLATES)}")
         raise typer.Exit(2)
     if output.exists() and not force:
-        err_console.print(f"[bold red]error:[/] {escape(str(output))} exists; pass --force to overwrite it.")
+        print_error(f"{output} exists; pass --force to overwrite it.")
         raise typer.Exit(1)
     spec = TEMPLATES[template]
     text = CONFIG.format(base=base, data=spec["data"], format=spec["format"], about=spec["about"])
     try:
         atomic_write(output, text)
     except OSError as exc:
-        err_console.print(f"[bold red]error:[/] cannot write {escape(str(output))}: {escape(str(exc))}")
+        print_error(f"cannot write {output}: {exc}")
         raise typer.Exit(1) from None
     console.print(f"Wrote {escape(str(output))} (template {template}).")
     data_path = output.resolve().parent / spec["data"]

@@ -19,10 +19,10 @@ def merge(
     Exit codes: 0 merged; 1 not an adapter folder, base not found, or output not empty."""
     from rich.markup import escape
 
-    from soup_core.ui import console, err_console
+    from soup_core.ui import console, print_error
 
     def fail(message: str) -> None:
-        err_console.print(f"[bold red]error:[/] {escape(message)}")
+        print_error(message)
         raise typer.Exit(1)
 
     config_file = adapter / "adapter_config.json"

@@ -60,9 +60,7 @@ def _tracker_errors(tracker: Tracker) -> Iterator[None]:
         yield
     except typer.Exit:
         raise  # a message was already printed
-    except AmbiguousRunError as exc:
-        raise _fail(f"error: {exc}") from None
-    except TrackerError as exc:
+    except (AmbiguousRunError, TrackerError) as exc:
         raise _fail(f"error: {exc}") from None
     except (OSError, LookupError) as exc:
         raise _fail(f"error: tracker {tracker.path}: {exc}") from None

@@ -98,10 +98,10 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     from soup_core.data import DataError
     from soup_core.plugins import load_plugins
     from soup_core.run import RunRefused, execute, plan_run
-    from soup_core.ui import console, err_console
+    from soup_core.ui import console, err_console, print_error
 
     def fail(message: str) -> int:
-        err_console.print(f"[bold red]error:[/] {escape(message)}")
+        print_error(message)
         return 1
 
     if not config_path.exists():

@@ -13,43 +13,20 @@ from typing import Any
 
 from soup_core.contracts import Backend
 from soup_core.default_plugins.transformers.loading import BackendError, quiet_progress
+from soup_core.probes import module_findable
 
 #: Every config path this backend honours for the sft task (its support-table row).
-HONOURED_FIELDS: frozenset[str] = frozenset(
-    {
-        "data.train",
-        "data.format",
-        "data.val_split",
-        "data.seed",
-        "data.max_length",
-        "data.train_on_responses_only",
-        "data.on_bad_row",
-        "data.packing",
-        "training.epochs",
-        "training.max_steps",
-        "training.learning_rate",
-        "training.batch_size",
-        "training.gradient_accumulation_steps",
-        "training.scheduler",
-        "training.warmup_ratio",
-        "training.weight_decay",
-        "training.max_grad_norm",
-        "training.seed",
-        "training.dtype",
-        "training.quantization",
-        "training.bnb_4bit_use_double_quant",
-        "training.gradient_checkpointing",
-        "training.lora.r",
-        "training.lora.alpha",
-        "training.lora.dropout",
-        "training.lora.target_modules",
-        "training.save_steps",
-        "training.eval_steps",
-        "training.logging_steps",
-        "training.resume_from",
-        "training.report_to",
-    }
-)
+HONOURED_FIELDS: frozenset[str] = frozenset({
+    "data.train", "data.format", "data.val_split", "data.seed", "data.max_length", "data.train_on_responses_only",
+    "data.on_bad_row", "data.packing",
+    "training.epochs", "training.max_steps", "training.learning_rate", "training.batch_size",
+    "training.gradient_accumulation_steps", "training.scheduler", "training.warmup_ratio", "training.weight_decay",
+    "training.max_grad_norm", "training.seed", "training.dtype", "training.quantization",
+    "training.bnb_4bit_use_double_quant", "training.gradient_checkpointing",
+    "training.lora.r", "training.lora.alpha", "training.lora.dropout", "training.lora.target_modules",
+    "training.save_steps", "training.eval_steps", "training.logging_steps", "training.resume_from",
+    "training.report_to",
+})
 
 
 #: training.report_to name -> the modules that provide it (any one will do) and the package to install.
@@ -60,15 +37,6 @@ REPORTERS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def _module_present(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _report_to(value: Iterable[str] | str | None) -> list[str] | str:
     """``training.report_to`` as transformers takes it (``[]`` -> ``"none"``); refuses a tracker whose
     package is missing, instead of failing later inside the Trainer."""
@@ -77,7 +45,7 @@ def _report_to(value: Iterable[str] | str | None) -> list[str] | str:
     names = [value] if isinstance(value, str) else list(value)
     for name in names:
         modules, package = REPORTERS.get(name, ((name,), name))
-        if not any(_module_present(m) for m in modules):
+        if not any(module_findable(m).ok for m in modules):
             raise BackendError(
                 f"training.report_to: {name} is not installed; run: pip install {package} "
                 f"(or remove {name} from training.report_to)"

@@ -18,7 +18,7 @@ class BackendError(RuntimeError):
     """A run cannot go on for a reason the user can fix; the message says what, where and how."""
 
 
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 #: LoRA targets for ``target_modules: auto`` by architecture family, when the model has them. Any other
 #: architecture gets every linear layer inside its decoder blocks.
@@ -40,7 +40,7 @@ def resolve_dtype(name: str) -> Any:
         return torch.float32
     if name not in _DTYPES:
         raise BackendError(f"training.dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return getattr(torch, _DTYPES[name])
+    return getattr(torch, name)
 
 
 @contextlib.contextmanager

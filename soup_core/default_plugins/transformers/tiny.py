@@ -18,6 +18,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from soup_core.default_plugins.transformers.loading import quiet_progress
+from soup_core.tracker.store import soup_home
+
 #: Bump when anything below changes what gets built, so cached folders are rebuilt.
 BUILDER_VERSION = 2
 
@@ -132,15 +135,8 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" bars would clutter test and quickstart logs
-    try:
+    with quiet_progress():  # "Writing model shards" bars would clutter test and quickstart logs
         model.save_pretrained(str(out))
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(str(out))
     return out
 
@@ -163,11 +159,6 @@ def _cache_key(hidden: int, layers: int, arch: str, seed: int) -> str:
     return f"{arch}-h{hidden}-l{layers}-s{seed}-{digest}"
 
 
-def _default_cache_root() -> Path:
-    home = os.environ.get("SOUP_HOME")
-    return (Path(home) if home else Path.home() / ".soup") / "tiny"
-
-
 def tiny_model_dir(
     cache_root: str | os.PathLike[str] | None = None,
     *,
@@ -182,7 +173,7 @@ def tiny_model_dir(
     Safe when several processes race: each builds in a private temp folder and renames it into place;
     the first rename wins and the others discard their copy.
     """
-    root = Path(cache_root) if cache_root is not None else _default_cache_root()
+    root = Path(cache_root) if cache_root is not None else soup_home() / "tiny"
     target = root / _cache_key(hidden, layers, arch, seed)
     marker = target / "soup-tiny.json"
     if marker.is_file():
