@@ -5,7 +5,7 @@ locally, writes a small synthetic chat data set, writes the config that trains o
 ``soup train`` on it. The data set holds one deliberately malformed row — a long answer of garbage at
 row index :data:`POISONED_ROW` — so that ``soup rewind`` (the rewind plugin) has a real spike to explain.
 
-The recipe is the one measured to make such a row visible (see shared ENVIRONMENT notes): full
+The recipe is the one measured to make such a row visible: full
 fine-tuning, a high learning rate, small batches without gradient accumulation, several epochs.
 """
 
