@@ -29,21 +29,6 @@ from soup_core.config.validate import (
     validate_config,
 )
 
-__all__ = [
-    "ALWAYS_HONOURED",
-    "ConfigError",
-    "ConfigIssue",
-    "ConfigSchema",
-    "DataConfig",
-    "LoraConfig",
-    "SoupConfig",
-    "TrainingConfig",
-    "config_to_dict",
-    "core_field_paths",
-    "dump_config_yaml",
-    "is_default",
-    "load_config",
-    "load_config_text",
-    "resolve_schema",
-    "validate_config",
-]
+__all__ = ["ALWAYS_HONOURED", "ConfigError", "ConfigIssue", "ConfigSchema", "DataConfig", "LoraConfig", "SoupConfig",
+           "TrainingConfig", "config_to_dict", "core_field_paths", "dump_config_yaml", "is_default", "load_config",
+           "load_config_text", "resolve_schema", "validate_config"]
