@@ -205,6 +205,7 @@ class SoupTrainerMixin:
         eval_dataset: Any = None,
         *,
         collator: Any = None,
+        args: Any = None,
         **trainer_kwargs: Any,
     ) -> Any:
         """Build this trainer for a run: what a task's ``build(backend, setup)`` returns.
@@ -215,10 +216,13 @@ class SoupTrainerMixin:
           ``eval_dataset`` None when there are no validation rows.
         - ``collator``: what turns a micro-batch of encoded rows into tensors; default
           ``RowCollator(tokenizer.pad_token_id, packing=setup.packing)``. Give a ``RowCollator`` with
-          ``row_keys`` to bring per-row values of ``encode``'s output into the batch.
+          ``row_keys`` to bring per-row values of ``encode``'s output into the batch. ``False`` keeps the
+          trainer class's own collator (trl's preference and GRPO trainers build theirs from the dataset).
+        - ``args``: the training arguments, when the trainer class wants its own type (a trl ``DPOConfig``
+          or ``GRPOConfig`` built from ``setup.args``); default ``setup.args``.
         - ``trainer_kwargs``: any other argument of the trainer class's constructor (``callbacks``,
-          ``optimizers``, ...). ``model``, ``args``, ``processing_class``, ``data_collator`` and the
-          datasets come from the arguments above.
+          ``optimizers``, GRPO's ``reward_funcs``, ...). ``model``, ``processing_class``, ``data_collator``
+          and the datasets come from the arguments above.
 
         The trainer is attached to the run (row order, per-row losses, events, controllers) before it is
         returned. A subclass with state of its own overrides this classmethod, calls
@@ -226,10 +230,11 @@ class SoupTrainerMixin:
         """
         if collator is None:
             collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
+        if collator is not False:
+            trainer_kwargs["data_collator"] = collator
         trainer = cls(
             model=setup.model,
-            args=setup.args,
-            data_collator=collator,
+            args=setup.args if args is None else args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=setup.tokenizer,

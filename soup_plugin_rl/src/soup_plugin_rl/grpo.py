@@ -269,15 +269,10 @@ def build_grpo_trainer(task: GRPOTask, setup: Any) -> Any:
     rewards = build_rewards(t.reward_fn, max_completion_length=int(t.max_completion_length))
     val_rows = list(getattr(training, "val_rows", None) or [])
     cls = soup_grpo_class(trainer_cls)
-    with quiet_datasets():
-        trainer = cls(
-            model=setup.model,
-            reward_funcs=rewards,
-            args=args,
-            train_dataset=rows_with_index(training.rows),
-            eval_dataset=rows_with_index(val_rows) if val_rows else None,
-            processing_class=setup.tokenizer,
-        )
+    evaluation = rows_with_index(val_rows) if val_rows else None
+    with quiet_datasets():  # trl's GRPO trainer keeps its own collator: it batches prompts, not tokens
+        trainer = cls.from_setup(setup, rows_with_index(training.rows), evaluation, collator=False, args=args,
+                                 reward_funcs=rewards)
     trainer.soup_plan = plan
     trainer._soup_data_seed = setup.data_seed
     trainer._soup_seam_calls = 0
@@ -287,6 +282,5 @@ def build_grpo_trainer(task: GRPOTask, setup: Any) -> Any:
         if task.uses_reference(config)
         else "reference: none (β = 0)"
     )
-    trainer.soup_attach(setup)
     trainer.rl_reference = line
     return trainer

@@ -300,20 +300,13 @@ def build_preference_trainer(task: PreferenceTask, setup: Any) -> Any:
     val_rows = list(getattr(training, "val_rows", None) or [])
     evaluation = rows_with_index(val_rows) if val_rows else None
     cls = soup_trainer_class(trainer_cls, task)
-    with quiet_datasets():
-        trainer = cls(
-            model=setup.model,
-            args=args,
-            train_dataset=train,
-            eval_dataset=evaluation,
-            processing_class=setup.tokenizer,
-        )
+    with quiet_datasets():  # trl tokenises the pairs itself, with its own collator (wrapped below)
+        trainer = cls.from_setup(setup, train, evaluation, collator=False, args=args)
     check_no_row_dropped(trainer.train_dataset, len(training.rows), "training", max_length)
     if evaluation is not None:
         check_no_row_dropped(trainer.eval_dataset, len(val_rows), "validation", max_length)
     trainer.data_collator = RowIndexCollator(trainer.data_collator)
     line = use_disabled_adapters_as_reference(trainer, ctx.report) if task.uses_reference(config) else ""
-    trainer.soup_attach(setup)
     trainer.rl_attach(setup)
     trainer.rl_reference = line
     return trainer
