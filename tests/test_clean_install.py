@@ -35,8 +35,8 @@ from typing import Any
 
 import pytest
 
-from soup_core.plugins import BUILTINS, FAILED, OK
 from soup_core.distributions import in_range
+from soup_core.plugins import BUILTINS, FAILED, OK
 from soup_core.plugins.manager import build_plugin_set
 from soup_core.testing import make_distribution, run_soup
 

@@ -1,4 +1,4 @@
-"""The core never names a task or backend other than its built-ins (sft, transformers) — DESIGN.md §4a.
+"""The core never names a task or backend other than its built-ins (sft, transformers) (docs/architecture.md).
 
 The exceptions: the install-hint table in soup_core/config/known.py, whose job is to say which
 first-party plugin provides a key the user wrote (issue 2, point 6), and `soup doctor`, which reports

@@ -1,4 +1,4 @@
-"""Per-row statistics and row order of the transformers backend's sft trainer (DESIGN.md §4a, §5).
+"""Per-row statistics and row order of the transformers backend's sft trainer (docs/architecture.md).
 
 Every micro-batch event must carry the core's rows, and each row's loss and supervised-token count must
 add up to the loss the trainer back-propagates. Both are checked against independent channels: the

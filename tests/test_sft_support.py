@@ -1,4 +1,4 @@
-"""Every field in the (transformers, sft) support row really changes the run (DESIGN.md §4a).
+"""Every field in the (transformers, sft) support row really changes the run (docs/architecture.md).
 
 One case per honoured field: it sets a non-default value and checks its effect on the live trainer's
 arguments, the model, the data the trainer sees, or the run's behaviour.

@@ -1,7 +1,7 @@
 """The ``mlx`` plugin: registers the MLX backend, its (mlx, sft) support row, its probes, the model loader
 for ``backend: mlx`` and ``soup export``.
 
-Registration is cheap (DESIGN.md §3): nothing here imports mlx, mlx-lm or transformers.
+Registration is cheap (docs/architecture.md): nothing here imports mlx, mlx-lm or transformers.
 """
 
 from __future__ import annotations

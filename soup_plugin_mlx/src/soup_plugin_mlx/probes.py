@@ -1,4 +1,4 @@
-"""Capability probes of the ``mlx`` backend (DESIGN.md §3).
+"""Capability probes of the ``mlx`` backend (docs/architecture.md).
 
 The cheap probe looks at installed distributions only (never imports mlx): it runs at every ``soup``
 start. The deep probe imports ``mlx.core`` and makes the default device compute; it runs before a run

@@ -1,7 +1,8 @@
 """The (mlx, sft) support row: every config path the MLX backend really honours.
 
 A path missing here is refused at config time by the core when it is set to a non-default value
-(DESIGN.md §4a). Each entry is exercised by a test that sets a non-default value and shows its effect.
+(docs/architecture.md). Each entry is exercised by a test that sets a non-default value and shows its
+effect.
 Left out on purpose, so they are refused rather than ignored:
 
 - ``data.packing``: mlx-lm's attention has no per-row boundaries inside one packed sequence;

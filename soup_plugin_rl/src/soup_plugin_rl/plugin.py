@@ -1,6 +1,6 @@
 """The ``rl`` plugin: GRPO and its variants, and the preference tasks, through trl.
 
-Registration is cheap (DESIGN.md §3): nothing here imports torch or trl at module level. Deep probes
+Registration is cheap (docs/architecture.md): nothing here imports torch or trl at module level. Deep probes
 (scoped ``task:<name>``) find each task's trl classes and check what they accept; the pre-flight check
 resolves the GRPO variant against the installed trl and checks the reward functions, before any data or
 model is loaded (also under ``--dry-run``).

@@ -1,6 +1,6 @@
 """The ``rewind`` plugin: the flight recorder, its config switch and the ``soup rewind`` command.
 
-Registration is cheap (DESIGN.md §3): this module imports the core's contracts and nothing heavy; the
+Registration is cheap (docs/architecture.md): this module imports the core's contracts and nothing heavy; the
 command's module imports typer only.
 """
 

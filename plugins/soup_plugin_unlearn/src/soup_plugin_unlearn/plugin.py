@@ -1,7 +1,7 @@
 """The ``unlearn`` plugin: the task, its config fields and support row, probes, pre-flight and the
 ``soup unlearn`` command group.
 
-Registration is cheap (DESIGN.md §3): this module imports the core's contracts only; the config types,
+Registration is cheap (docs/architecture.md): this module imports the core's contracts only; the config types,
 the command's module (typer) and the trainer (torch) are imported by the hooks and methods that need them.
 """
 
