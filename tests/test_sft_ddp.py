@@ -72,6 +72,13 @@ SCRIPT = textwrap.dedent(
     Path(f"{result}.{rank}.json").write_text(
         json.dumps({"micro": rec.micro, "steps": rec.steps, "end": rec.end, "weights": weights})
     )
+    # soup train's execute() tears the process group down after a run; this script drives the backend
+    # directly, so it does the same (a live gloo group at exit can abort a rank)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
     """
 )
 
