@@ -19,8 +19,9 @@ def _npo_closed(policy, ref, beta):
 
 
 def _simnpo_closed(policy, lengths, beta, gamma):
+    # Fan et al. (2024): −(2/β)·log σ(−(β/|y|)·log π(y|x) − γ) = (2/β)·log(1 + e^{(β/|y|)·log π + γ})
     pairs = zip(policy, lengths, strict=True)
-    terms = [math.log1p(math.exp(beta * (p / max(n, 1) - gamma))) for p, n in pairs]
+    terms = [math.log1p(math.exp(beta / max(n, 1) * p + gamma)) for p, n in pairs]
     return (2 / beta) * sum(terms) / len(terms)
 
 
@@ -35,6 +36,9 @@ def test_npo_equals_its_closed_form(torch_one_thread, beta):
     # control: β is really used (the upstream tool fixed it at 0.1) and the reference really subtracted
     assert got.item() != pytest.approx(_npo_closed(POLICY, REF, 0.1 if beta != 0.1 else 1.0), rel=1e-3)
     assert got.item() != pytest.approx(_npo_closed(POLICY, [0.0] * 4, beta), rel=1e-3)
+    # controls: the ratio's sign flipped, and the 2/β scale dropped, each give another number
+    assert got.item() != pytest.approx(_npo_closed(REF, POLICY, beta), rel=1e-3)
+    assert got.item() != pytest.approx(_npo_closed(POLICY, REF, beta) * beta / 2, rel=1e-3)
 
 
 def test_npo_gradient_is_two_sigmoid_over_n(torch_one_thread):
@@ -49,7 +53,7 @@ def test_npo_gradient_is_two_sigmoid_over_n(torch_one_thread):
     assert ref.grad is None  # the reference is detached: no gradient flows into it
 
 
-@pytest.mark.parametrize(("beta", "gamma"), [(2.5, 0.0), (0.5, -1.0), (1.0, 0.3)])
+@pytest.mark.parametrize(("beta", "gamma"), [(2.5, 0.0), (0.5, -1.0), (1.0, 0.3), (2.5, 2.0)])
 def test_simnpo_equals_its_closed_form(torch_one_thread, beta, gamma):
     torch = torch_one_thread
     from soup_plugin_unlearn.losses import simnpo_loss
@@ -60,6 +64,39 @@ def test_simnpo_equals_its_closed_form(torch_one_thread, beta, gamma):
     assert got.item() != pytest.approx(_simnpo_closed(POLICY, [1, 1, 1, 1], beta, gamma), rel=1e-3)
     # γ is used
     assert got.item() != pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, gamma + 0.5), rel=1e-3)
+
+
+@pytest.mark.parametrize(("beta", "gamma"), [(2.5, 1.0), (0.5, -1.5), (0.4, 0.3)])
+def test_simnpo_gamma_is_the_papers_margin_not_a_flipped_or_scaled_one(torch_one_thread, beta, gamma):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import simnpo_loss
+
+    got = simnpo_loss(torch.tensor(POLICY), torch.tensor(LENGTHS), beta, gamma).item()
+    assert got == pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, gamma), rel=1e-6)
+    # controls: γ with its sign flipped, γ scaled by β, and the earlier −log σ(−β·(log π/|y| − γ)) each
+    # give another number, so the closed-form comparison above can fail
+    assert got != pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, -gamma), rel=1e-3)
+    assert got != pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, beta * gamma), rel=1e-3)
+    assert got != pytest.approx(_simnpo_closed(POLICY, LENGTHS, beta, -beta * gamma), rel=1e-3)
+    # the migration rule: the old meaning γ_old is the paper's γ = −β·γ_old
+    gamma_old = -gamma / beta
+    old_form = [
+        math.log1p(math.exp(beta * (p / max(n, 1) - gamma_old))) for p, n in zip(POLICY, LENGTHS, strict=True)
+    ]
+    assert got == pytest.approx((2 / beta) * sum(old_form) / len(old_form), rel=1e-6)
+
+
+def test_simnpo_larger_gamma_pushes_harder(torch_one_thread):
+    """The paper's direction: raising γ raises the loss and the gradient's weight on every row."""
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import simnpo_loss
+
+    grads = []
+    for gamma in (0.0, 2.0):
+        policy = torch.tensor(POLICY, requires_grad=True)
+        simnpo_loss(policy, torch.tensor(LENGTHS), 2.5, gamma).backward()
+        grads.append(policy.grad.clone())
+    assert (grads[1][:3] > grads[0][:3]).all(), grads  # the last row is too far below to move in fp32
 
 
 def test_sequence_logps_and_token_nll_match_a_hand_computation(torch_one_thread):

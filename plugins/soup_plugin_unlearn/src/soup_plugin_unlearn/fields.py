@@ -65,7 +65,8 @@ FIELDS: tuple[ConfigField, ...] = (
         "training.unlearn_gamma",
         float,
         DEFAULT_GAMMA,
-        "γ of simnpo: the per-token log-likelihood margin. Default 0.",
+        "γ of simnpo, the paper's reward margin: L = −log σ(−(β/|y|)·log π(y|x) − γ). Default 0. "
+        "Earlier versions computed −log σ(−β·(log π/|y| − γ_old)); convert with γ = −β·γ_old.",
     ),
     ConfigField(
         "training.unlearn_rmu_layer",

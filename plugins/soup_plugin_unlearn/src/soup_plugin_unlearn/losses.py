@@ -52,15 +52,19 @@ def npo_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -
 
 
 def simnpo_loss(policy_logps: torch.Tensor, lengths: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:
-    """SimNPO (Fan et al., 2024), NPO without a reference, on the length-normalised likelihood:
+    """SimNPO (Fan et al., 2024), NPO without a reference, on the length-normalised likelihood, exactly as
+    the paper writes it:
 
-    ``L = (2/β) · mean_i( −log σ( −β · (log π(y_i|x_i)/|y_i| − γ) ) )``
+    ``L = (2/β) · mean_i( −log σ( −(β/|y_i|) · log π(y_i|x_i) − γ ) )``
 
+    γ is the paper's reward margin: it is subtracted outside the β scaling, so a larger γ lowers the
+    sigmoid's argument and strengthens the push on every row. (Earlier versions of this plugin
+    computed ``−log σ(−β·(log π/|y| − γ_old))``; the same objective is ``γ = −β·γ_old`` now.)
     ``|y_i|`` is clamped to at least 1 so that a row with no supervised token adds a constant, not a NaN.
     """
     b = _check_beta(beta)
     per_token = policy_logps.float() / lengths.clamp(min=1).float()
-    return (2.0 / b) * torch.mean(-F.logsigmoid(-b * (per_token - float(gamma))))
+    return (2.0 / b) * torch.mean(-F.logsigmoid(-b * per_token - float(gamma)))
 
 
 def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
