@@ -111,27 +111,9 @@ def plugin_from(base: Any, *, leave_out: Iterable[str] = (), **hooks: Callable[.
 def plugins_with(extra: Sequence[tuple[str, Any]], *, installed: bool = True) -> PluginSet:
     """The built-ins, the installed plugins (unless ``installed=False``) and ``extra``: ``(name, plugin)``
     pairs. An extra plugin named like an installed one takes its place."""
-    from soup_core.distributions import soup_entry_points
     from soup_core.plugins.manager import build_plugin_set
 
-    names = {name for name, _ in extra}
-    found = soup_entry_points() if installed else []
-    if not names & {ep.name for ep in found}:
-        return build_plugin_set(extra=list(extra), entry_points=installed)
-    # The manager registers an installed plugin and an extra of the same name both, and refuses the second
-    # as a duplicate: load the other installed ones here and hand them over beside the extras.
-    others: list[tuple[str, Any]] = []
-    for ep in found:
-        if ep.name in names:
-            continue
-        names.add(ep.name)  # a name two distributions claim: the first on sys.path, as the manager picks
-        try:
-            others.append((ep.name, ep.load()))
-        except Exception as exc:  # noqa: BLE001 - a broken installed plugin is skipped, as soup train would
-            import warnings
-
-            warnings.warn(f"installed plugin {ep.name!r} failed to import and is left out: {exc}", stacklevel=2)
-    return build_plugin_set(extra=[*others, *extra], entry_points=False)
+    return build_plugin_set(extra=list(extra), entry_points=installed)
 
 
 # ------------------------------------------------------------------------------------------ training

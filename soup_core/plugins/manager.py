@@ -224,7 +224,8 @@ def build_plugin_set(
     check_ranges: bool = True,
 ) -> PluginSet:
     """Build a plugin set: the built-ins, the ``soup`` entry points, then ``extra`` (name, plugin object)
-    pairs (used by :mod:`soup_core.testing`). ``check_ranges=False`` skips reading each distribution's
+    pairs (used by :mod:`soup_core.testing`; one named like an installed plugin takes its place, and that
+    plugin is not imported). ``check_ranges=False`` skips reading each distribution's
     soup-core range (``soup --help`` does, so it never imports ``packaging``)."""
     from soup_core import __version__
 
@@ -232,7 +233,8 @@ def build_plugin_set(
     candidates = [_Candidate(PluginInfo(n, True, "soup-core", __version__), lambda m=m: importlib.import_module(m))
                   for n, m in BUILTINS] if builtins else []
     for ep in distributions.soup_entry_points() if entry_points else ():
-        if all(ep.name != c.info.name for c in candidates):  # two distributions claim one name: the first wins
+        # two distributions claim one name: the first wins; an extra of that name replaces both
+        if all(ep.name != c.info.name for c in candidates) and ep.name not in dict(extra):
             candidates.append(_Candidate(PluginInfo(ep.name, False, ep.dist.name, ep.dist.version), ep.load,
                                          lambda d=ep.dist: distributions.declared_range(d, "soup-core")))
     candidates += [_Candidate(PluginInfo(n, False, "<test>", "0"), lambda o=obj: o) for n, obj in extra]
