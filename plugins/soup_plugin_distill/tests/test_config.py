@@ -121,6 +121,7 @@ def test_preflight_refuses_a_teacher_folder_that_does_not_exist(tmp_path, config
 def _fake_model(folder: Path, vocab: int) -> str:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab}))
+    (folder / "tokenizer_config.json").write_text("{}")  # a teacher folder without one is refused
     return str(folder)
 
 

@@ -420,3 +420,78 @@ def test_controllers_may_change_the_coefficients_within_their_ranges():
     with pytest.raises(BackendError, match="distill_temperature must be between 0.01 and 20, got 0"):
         trainer.distill_temperature = 0.0
     assert (trainer.distill_weight, trainer.distill_temperature) == (0.8, 0.5)  # refused values left no trace
+
+
+# ----------------------------------------------------------------- the teacher's tokenizer, wherever it is
+
+
+def _weights_only(models, folder: Path) -> Path:
+    """The ``other`` model's folder without its tokenizer files."""
+    import shutil
+
+    from soup_plugin_distill.teacher import TOKENIZER_FILES
+
+    shutil.copytree(models["other"], folder)
+    for name in (*TOKENIZER_FILES, "special_tokens_map.json", "merges.txt", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+@pytest.mark.parametrize("preflight", [True, False])
+def test_a_teacher_folder_without_a_tokenizer_is_refused(models, tmp_path, chat_rows, soup_train, preflight):
+    import shutil
+
+    teacher = _weights_only(models, tmp_path / "weights-only")
+    config = _config(tmp_path / "run", models["student"], teacher, chat_rows(4), training={"max_steps": 1})
+    with pytest.raises(TrainingFailed) as refused:
+        soup_train(config, with_rewind=False, preflight=preflight)
+    err = " ".join(refused.value.message.split())
+    assert "holds no tokenizer" in err and str(teacher) in err and "tokenizer.save_pretrained" in err, err
+    assert not [e for e in refused.value.events if type(e).__name__ == "MicroBatch"]  # nothing trained
+    # control: the same weights with the student's tokenizer saved beside them train
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(models["student"]).save_pretrained(teacher)
+    shutil.rmtree(tmp_path / "run" / "out", ignore_errors=True)
+    assert soup_train(config, with_rewind=False, preflight=preflight).status == "completed"
+
+
+def _hub_cache(root: Path, repo: str, source: Path) -> Path:
+    """A Hugging Face hub cache holding ``source``'s files as the snapshot of ``repo`` (offline tests)."""
+    import shutil
+
+    entry = root / ("models--" + repo.replace("/", "--"))
+    commit = "0" * 40
+    shutil.copytree(source, entry / "snapshots" / commit)
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit, encoding="utf-8")
+    return root
+
+
+@pytest.mark.parametrize("tokenizer", ["swapped", "none", "student"])
+def test_a_hub_teacher_s_tokenizer_is_checked_after_loading(
+    models, tmp_path, chat_rows, soup_train, monkeypatch, tokenizer
+):
+    import huggingface_hub.constants
+
+    if tokenizer == "swapped":
+        source = _swapped_tokenizer_teacher(models, tmp_path / "src")
+    elif tokenizer == "none":
+        source = _weights_only(models, tmp_path / "src")
+    else:
+        source = models["other"]
+    cache = _hub_cache(tmp_path / "hub", "soup-test/teacher", source)
+    # transformers reads the cache folder from huggingface_hub's constants at each call
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = _config(tmp_path / "run", models["student"], "soup-test/teacher", chat_rows(4),
+                     training={"max_steps": 1})
+    if tokenizer == "student":  # control: a hub teacher with the student's tokenizer trains
+        assert soup_train(config, with_rewind=False).status == "completed"
+        return
+    with pytest.raises(TrainingFailed) as refused:
+        soup_train(config, with_rewind=False)
+    err = " ".join(refused.value.message.split())
+    expected = "2 tokens map to other ids" if tokenizer == "swapped" else "cannot load the tokenizer"
+    assert expected in err and "'soup-test/teacher'" in err, err
+    assert not [e for e in refused.value.events if type(e).__name__ == "MicroBatch"]  # before the first step

@@ -138,9 +138,12 @@ def soup_preflight(config: Any) -> PreflightReport | None:
     if getattr(config, "task", None) != TASK:
         return None  # the support table refuses distill fields set for another task
     from soup_plugin_distill.teacher import (
+        MISSING_TOKENIZER_FIX,
+        TOKENIZER_FILES,
         config_vocab_size,
         local_folder,
         looks_local,
+        missing_tokenizer_message,
         vocab_mismatch_message,
     )
 
@@ -166,6 +169,10 @@ def soup_preflight(config: Any) -> PreflightReport | None:
             title=title,
             refusal=vocab_mismatch_message(teacher, teacher_size, str(config.base), student_size),
             fix="choose a teacher with the student's tokenizer, or a student of the teacher's family",
+        )
+    if folder is not None and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return PreflightReport(
+            title=title, refusal=missing_tokenizer_message(teacher), fix=MISSING_TOKENIZER_FIX
         )
     w, temperature = float(t.distill_weight), float(t.distill_temperature)
     return PreflightReport(

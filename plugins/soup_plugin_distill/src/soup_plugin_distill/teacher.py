@@ -113,20 +113,52 @@ def check_vocabulary(
     return student_size
 
 
+#: Files from which transformers can build a tokenizer; a teacher folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def missing_tokenizer_message(teacher_name: str) -> str:
+    return (
+        f"training.teacher_model: the teacher folder {teacher_name!r} holds no tokenizer "
+        f"({', '.join(TOKENIZER_FILES)}), so nothing shows that it reads token ids as the student does; "
+        "distillation compares the two next-token distributions token by token and would train on nonsense "
+        "silently if they differ"
+    )
+
+
+MISSING_TOKENIZER_FIX = (
+    "save the tokenizer the teacher was trained with into its folder (tokenizer.save_pretrained(folder)); "
+    "if it was trained with the student's tokenizer, save the student's there"
+)
+
+
+def refuse_folder_without_tokenizer(teacher_name: str, *, error: type[Exception] = RuntimeError) -> None:
+    """A local teacher folder must carry its tokenizer: refused without one (cheap, before any loading)."""
+    folder = local_folder(teacher_name)
+    if folder is not None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise error(f"{missing_tokenizer_message(teacher_name)}. Fix: {MISSING_TOKENIZER_FIX}")
+
+
 def check_tokenizer(
     student_tokenizer: Any, teacher_name: str, *, error: type[Exception] = RuntimeError
 ) -> None:
-    """When the teacher's folder has a tokenizer of its own, refuse one that maps tokens to other ids than
-    the student's: equal sizes with a different vocabulary would distil nonsense silently."""
-    folder = local_folder(teacher_name)
-    if folder is None or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return
+    """Load the teacher's tokenizer from where the teacher came from (its folder or its hub id, as
+    transformers resolves it, cache included) and refuse one that maps tokens to other ids than the
+    student's: equal vocabulary sizes with a different vocabulary would distil nonsense silently. A teacher
+    without a loadable tokenizer is refused too: there would be nothing to check."""
+    refuse_folder_without_tokenizer(teacher_name, error=error)
     from transformers import AutoTokenizer
 
+    folder = local_folder(teacher_name)
+    source = str(folder) if folder is not None else teacher_name
     try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError):
-        return  # no usable tokenizer beside the weights: the vocabulary-size check is what we have
+        teacher_tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        raise error(
+            f"training.teacher_model: cannot load the tokenizer of the teacher {teacher_name!r} ({exc}); "
+            "distillation needs both models to share one tokenizer and this one cannot be checked. "
+            f"Fix: {MISSING_TOKENIZER_FIX}"
+        ) from exc
     mine, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
     if mine == theirs:
         return

@@ -30,7 +30,12 @@ from trl import SFTTrainer
 from soup_core.default_plugins.transformers import BackendError, SoupTrainerMixin, TrainerSetup
 from soup_plugin_distill.bounds import TEMPERATURE_RANGE, WEIGHT_RANGE
 from soup_plugin_distill.loss import DIVERGENCES, distill_terms
-from soup_plugin_distill.teacher import check_tokenizer, check_vocabulary, load_teacher
+from soup_plugin_distill.teacher import (
+    check_tokenizer,
+    check_vocabulary,
+    load_teacher,
+    refuse_folder_without_tokenizer,
+)
 
 
 def teacher_dtype(args: Any) -> torch.dtype:
@@ -165,13 +170,16 @@ class DistillTrainer(SoupTrainerMixin, DistillLossTrainer):
                 f"training.distill_divergence must be one of {', '.join(DIVERGENCES)}; "
                 f"got {t.distill_divergence!r}"
             )
-        check_tokenizer(setup.tokenizer, name, error=BackendError)
-        # Loaded on the CPU first: the vocabulary check refuses a wrong teacher before any device
+        refuse_folder_without_tokenizer(name, error=BackendError)
+        # Loaded on the CPU first: the vocabulary checks refuse a wrong teacher before any device
         # memory is used.
         teacher = load_teacher(name, dtype=teacher_dtype(setup.args), device="cpu", error=BackendError)
         check_vocabulary(
             setup.model, teacher, student_name=str(config.base), teacher_name=name, error=BackendError
         )
+        # After loading, so a hub id is resolved (downloaded or cached) as the weights were; before the
+        # trainer exists, so no step runs with a teacher that reads token ids differently.
+        check_tokenizer(setup.tokenizer, name, error=BackendError)
         trainer = super().from_setup(setup, train_dataset, eval_dataset)
         trainer._distill_reset()
         trainer.distill_divergence = str(t.distill_divergence)
