@@ -85,6 +85,40 @@ def _rows(record: Any) -> dict[str, Any]:
     return lists
 
 
+def _load_base_as_the_run_did(record: Any, base: str) -> Any:
+    """The run's base, loaded by the core's own loader with the run's saved ``training.dtype`` and
+    ``training.quantization``: the starting model the run measured, not a float32 stand-in (a 4-bit run's
+    starting losses differ from the float32 base's)."""
+    import torch
+
+    from soup_core.config import ConfigError, validate_config
+    from soup_core.default_plugins.transformers import BackendError, load_model_and_tokenizer
+
+    saved = dict(record.config)
+    training = saved.get("training") or {}
+    quant = training.get("quantization") or "none"
+    how = f"training.dtype {training.get('dtype', 'auto')}, training.quantization {quant}"
+    try:
+        config = validate_config({**saved, "base": base}, source=f"the saved config of run {record.run_id}")
+    except ConfigError as exc:
+        raise EvalError(
+            f"cannot load the base of run {record.run_id} the way the run did: its saved config does not "
+            f"validate with the plugins installed now ({exc}); install the plugins the run used"
+        ) from exc
+    try:
+        model = load_model_and_tokenizer(config).model
+    except (BackendError, ImportError, OSError, RuntimeError, ValueError) as exc:
+        raise EvalError(
+            f"run {record.run_id} trained on its base loaded with {how}, and it cannot be loaded that way "
+            f"here: {exc}. Evaluating another precision would report other numbers than the run's; run "
+            "`soup unlearn eval` where the run's loading works (for quantization: bitsandbytes installed, "
+            "and a GPU where it needs one)"
+        ) from exc
+    if quant == "none":  # a quantized model is placed by its loader and cannot be moved
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu")
+    return model
+
+
 def evaluate_run(
     ref: str = "latest", *, tracker: Any = None, recall: bool = False, batch_size: int = 16
 ) -> dict[str, Any]:
@@ -97,9 +131,8 @@ def evaluate_run(
     lists = _rows(record)
     base = _base_path(record, adapter)
 
-    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from soup_plugin_unlearn.evaluate import measure_start_and_now
 
@@ -110,13 +143,12 @@ def evaluate_run(
         tokenizer.pad_token = tokenizer.eos_token
     from transformers.utils import logging as hf_logging
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # loading bars would garble the table's terminal
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers' own deprecations, not the user's
-            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
+            model = _load_base_as_the_run_did(record, base)
             model = PeftModel.from_pretrained(model, str(adapter))
     finally:
         if bars:
