@@ -88,6 +88,7 @@ def execute(
 ) -> dict[str, Any]:
     """Train: open the tracker row, build recorders/controllers and the context, call the backend."""
     from soup_core.config import config_to_dict, dump_config_yaml
+    from soup_core.data import DataError
     from soup_core.io import atomic_write
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
@@ -143,7 +144,7 @@ def execute(
         backend = plugins.backends[config.backend]()
         try:
             return dict(backend.train(context) or {})
-        except (RunStopped, KeyboardInterrupt):
+        except (RunStopped, KeyboardInterrupt, DataError):  # bad data is the user's to fix, not the backend's
             raise
         except Exception as exc:  # a backend fails loudly, with its plugin named
             owner = plugins.backends.owner(config.backend)

@@ -24,6 +24,7 @@ _EXPORTS = {
     "epoch_order": "order",
     "micro_batches": "order",
     "read_records": "readers",
+    "check_supervision": "supervision",
 }
 
 

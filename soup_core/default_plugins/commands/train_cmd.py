@@ -140,7 +140,10 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
             console.print("    " + escape(line))
     console.print(f"  output: {escape(str(plan.output_dir))}")
     if dry_run:
-        console.print("  " + escape(token_length_summary(config, plan, plugins=plugins)))
+        try:
+            console.print("  " + escape(token_length_summary(config, plan, plugins=plugins)))
+        except DataError as exc:
+            return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
     try:
@@ -149,6 +152,8 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     except KeyboardInterrupt:
         err_console.print("Interrupted; the run is recorded as interrupted.")
         return 130
+    except DataError as exc:  # found once the tokenizer encoded the rows; the tracker row holds it too
+        return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
     except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
         if "--debug" in sys.argv or os.environ.get("SOUP_DEBUG") == "1":
             raise
@@ -204,11 +209,17 @@ def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
         tokenizer = AutoTokenizer.from_pretrained(config.base, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
         return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
-    lengths = sorted(len(e["input_ids"]) for e in task.encode(training.rows, tokenizer, config))
+    from soup_core.data import check_supervision
+
+    encoded = task.encode(training.rows, tokenizer, config)
+    lengths = sorted(len(e["input_ids"]) for e in encoded)
     if not lengths:
         return "token lengths: no rows"
     limit = int(config.data.max_length)
+    skipped = check_supervision(encoded, training=training, max_length=limit,
+                                on_bad_row=str(config.data.on_bad_row))
     cut = sum(1 for n in lengths if n >= limit)
     median = lengths[len(lengths) // 2]
-    return (f"token lengths: min {lengths[0]}, median {median}, max {lengths[-1]}; "
+    line = (f"token lengths: min {lengths[0]}, median {median}, max {lengths[-1]}; "
             f"{cut} of {len(lengths)} rows at data.max_length={limit} (truncated)")
+    return line + (f"; {len(skipped)} rows skipped (no supervised token left)" if skipped else "")

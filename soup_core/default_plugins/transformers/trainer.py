@@ -35,7 +35,7 @@ from trl import SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from soup_core.contracts import Rollback, SetCoefficient, Stop
-from soup_core.data import micro_batches
+from soup_core.data import check_supervision, micro_batches
 from soup_core.default_plugins.transformers.loading import BackendError
 from soup_core.events import MicroBatch, OptimizerStep
 
@@ -177,6 +177,11 @@ def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
     config = setup.ctx.config
     training = setup.ctx.training
     train = task.encode(training.rows, setup.tokenizer, config)
+    skipped = check_supervision(train, training=training, max_length=int(config.data.max_length),
+                                on_bad_row=str(config.data.on_bad_row))
+    if skipped and setup.ctx.rank == 0:
+        setup.ctx.report(f"{len(skipped)} training rows skipped: no supervised token within "
+                         f"data.max_length={int(config.data.max_length)} (they add no loss)")
     val_rows = list(getattr(training, "val_rows", None) or [])
     val = task.encode(val_rows, setup.tokenizer, config) if val_rows else None
     return Dataset.from_list(train), (Dataset.from_list(val) if val else None)
