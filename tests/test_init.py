@@ -27,6 +27,8 @@ def test_template_validates_as_written_and_its_data_builds(template: str, tmp_pa
     from soup_core.run import plan_run
 
     monkeypatch.chdir(tmp_path)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # offline, an uncached hub base is refused at plan
+        monkeypatch.delenv(name, raising=False)
     result = runner.invoke(_app(), ["--template", template])
     assert result.exit_code == 0, result.output
     config = load_config(tmp_path / "soup.yaml")

@@ -75,28 +75,28 @@ PREFLIGHT_PLUGIN = """
 """
 
 
-def _dry_run_site(tmp_path: Path) -> tuple[Path, Path]:
+def _dry_run_site(tmp_path: Path, model: Path) -> tuple[Path, Path]:
     site = tmp_path / "site"
     make_distribution(site, "soup-plugin-noargs", entry_points={"noargs": "noargs_plugin"},
                       modules={"noargs_plugin.py": PREFLIGHT_PLUGIN})
     (tmp_path / "train.jsonl").write_text(
         "".join(json.dumps({"prompt": f"q{i}", "completion": f"a{i}"}) + "\n" for i in range(4)), encoding="utf-8")
     config = tmp_path / "soup.yaml"
-    config.write_text(f"base: {tmp_path / 'model'}\noutput: {tmp_path / 'out'}\ndata:\n  train: train.jsonl\n",
+    config.write_text(f"base: {model}\noutput: {tmp_path / 'out'}\ndata:\n  train: train.jsonl\n",
                       encoding="utf-8")
     return site, config
 
 
-def test_a_preflight_that_takes_no_parameters_works_in_a_dry_run(tmp_path: Path) -> None:
-    site, config = _dry_run_site(tmp_path)
+def test_a_preflight_that_takes_no_parameters_works_in_a_dry_run(tmp_path: Path, tiny_model: Path) -> None:
+    site, config = _dry_run_site(tmp_path, tiny_model)
     proc = run_soup(["train", "--dry-run", "-c", str(config)], env={"SOUP_HOME": str(tmp_path / "home")},
                     extra_path=[site], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checked by a pre-flight that takes no arguments" in proc.stdout + proc.stderr
 
 
-def test_control_without_the_plugin_the_line_is_absent(tmp_path: Path) -> None:
-    site, config = _dry_run_site(tmp_path)
+def test_control_without_the_plugin_the_line_is_absent(tmp_path: Path, tiny_model: Path) -> None:
+    site, config = _dry_run_site(tmp_path, tiny_model)
     proc = run_soup(["-p", "no:noargs", "train", "--dry-run", "-c", str(config)],
                     env={"SOUP_HOME": str(tmp_path / "home")}, extra_path=[site], cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

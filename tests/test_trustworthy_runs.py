@@ -20,6 +20,7 @@ def long_prompt_rows(n: int, *, short: tuple[int, ...] = ()) -> list[dict[str, s
 
 
 def config(tmp_path: Path, model: Path, *, max_length: int, rows: list[dict], **data: object) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     write_jsonl(tmp_path / "train.jsonl", rows)
     return write_yaml(tmp_path / "soup.yaml", {
         "base": str(model), "output": str(tmp_path / "out"),
@@ -47,7 +48,7 @@ def test_every_answer_beyond_max_length_fails_instead_of_training_nothing(tiny_m
     assert "no training row has a supervised token left at data.max_length=16" in result.stderr
     assert "Traceback" not in result.stderr and "Done." not in result.stdout
     # control: the same rows with room for the answers train, and the run completes
-    cfg = config(tmp_path, tiny_model, max_length=128, rows=long_prompt_rows(4))
+    cfg = config(tmp_path / "roomy", tiny_model, max_length=128, rows=long_prompt_rows(4))
     result = soup(["train", "-c", str(cfg)], soup_home)
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "Done." in result.stdout
@@ -78,3 +79,115 @@ def test_dry_run_refuses_zero_supervised_tokens(tiny_model: Path, tmp_path: Path
     cfg = config(tmp_path, tiny_model, max_length=16, rows=long_prompt_rows(4), on_bad_row="skip")
     result = soup(["train", "-c", str(cfg), "--dry-run"], soup_home)
     assert result.exit_code == 1 and "no training row has a supervised token" in result.stderr
+
+
+# ---------------------------------------------------------------------- the dry run checks what it can
+
+
+def chat_config(tmp_path: Path, model: Path | str, **top: object) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(4)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    return write_yaml(tmp_path / "soup.yaml", {
+        "base": str(model), "output": str(tmp_path / "out"), "data": {"train": "train.jsonl", "max_length": 64},
+        "training": {"max_steps": 1, "batch_size": 2}, **top,
+    })
+
+
+def dry(cfg: Path, home: Path, *extra: str):
+    result = soup(["train", "-c", str(cfg), "--dry-run", *extra], home)
+    return result.exit_code, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-model", "no-tokenizer", "hub-offline"])
+def test_dry_run_checks_the_base_without_loading_weights(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                         monkeypatch, case: str) -> None:
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if case == "missing":
+        base, expected = tmp_path / "moved-away", "does not exist"
+    elif case == "not-a-model":
+        base, expected = tmp_path / "notes", "is not a model folder (it has no config.json)"
+        base.mkdir()
+        (base / "readme.txt").write_text("not a model")
+    elif case == "no-tokenizer":
+        base, expected = tmp_path / "weights-only", "has a model but no tokenizer"
+        base.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(tiny_model / name, base / name)
+    else:
+        base, expected = "soup-test-org/never-downloaded", "not in the local cache, and the hub is offline"
+    code, out = dry(chat_config(tmp_path, base), soup_home)
+    assert code == 1 and expected in out, out
+    assert "sentencepiece" not in out and "Traceback" not in out
+    code, out = dry(chat_config(tmp_path, tiny_model), soup_home)  # control: the real model folder passes
+    assert code == 0, out
+
+
+def test_dry_run_imports_every_report_to_tracker(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                 monkeypatch) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    code, out = dry(chat_config(tmp_path, tiny_model, training={"max_steps": 1, "report_to": ["wandb"]}), soup_home)
+    assert code == 1 and "training.report_to: wandb does not import" in out and "pip install wandb" in out, out
+    # control: once a wandb module imports, the same config passes
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "wandb.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "shim"))
+    code, out = dry(tmp_path / "soup.yaml", soup_home)
+    assert code == 0, out
+
+
+def test_output_path_that_is_a_file(tiny_model: Path, tmp_path: Path, soup_home: Path) -> None:
+    (tmp_path / "taken").write_text("a file")
+    code, out = dry(chat_config(tmp_path, tiny_model, output=str(tmp_path / "taken" / "run")), soup_home)
+    assert code == 1 and "is a file, so the output folder" in out and "Errno" not in out, out
+    code, out = dry(chat_config(tmp_path, tiny_model, output=str(tmp_path / "free" / "run")), soup_home)
+    assert code == 0, out
+
+
+def test_a_json_array_in_a_jsonl_file_gets_a_hint(tiny_model: Path, tmp_path: Path, soup_home: Path) -> None:
+    import json
+
+    cfg = chat_config(tmp_path, tiny_model)
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    (tmp_path / "train.jsonl").write_text(json.dumps(rows, indent=2))
+    code, out = dry(cfg, soup_home)
+    assert code == 1 and "holds a JSON array" in out and "rename it to .json" in out, out
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # control
+    code, out = dry(cfg, soup_home)
+    assert code == 0 and "holds a JSON array" not in out, out
+
+
+def test_a_bad_option_value_is_blamed_on_the_option(tiny_model: Path, tmp_path: Path, soup_home: Path) -> None:
+    cfg = chat_config(tmp_path, tiny_model)
+    code, out = dry(cfg, soup_home, "--epochs", "-1")
+    assert code == 1 and "the command line: 1 error" in out and "--epochs -1 (training.epochs)" in out, out
+    assert "soup.yaml" not in out
+    # control: the same value in the file is the file's
+    cfg = chat_config(tmp_path, tiny_model, training={"epochs": -1})
+    code, out = dry(cfg, soup_home)
+    assert code == 1 and "soup.yaml: 1 error" in out and "--epochs" not in out, out
+
+
+@pytest.mark.parametrize("case", ["missing", "base-moved"])
+def test_merge_messages_point_the_right_way(tiny_model: Path, tmp_path: Path, case: str) -> None:
+    import json
+
+    adapter = tmp_path / "adapter"
+    if case == "missing":
+        result = soup(["merge", str(adapter), "-o", str(tmp_path / "merged")], tmp_path)
+        assert result.exit_code == 1 and "no such folder" in result.output, result.output
+        assert "holds no LoRA adapter" not in result.output
+        return
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": str(tmp_path / "was-here")}))
+    result = soup(["merge", str(adapter), "-o", str(tmp_path / "merged")], tmp_path)
+    assert result.exit_code == 1 and "does not exist" in result.output and "pass --base" in result.output
+    assert "Repo id" not in result.output
+    # control: with --base at the model's new place, the base check passes (and the empty adapter is the error)
+    result = soup(["merge", str(adapter), "-o", str(tmp_path / "merged"), "--base", str(tiny_model)], tmp_path)
+    assert "note: merging onto --base" in result.output and "does not exist" not in result.output, result.output

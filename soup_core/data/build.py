@@ -176,7 +176,8 @@ def _detect(items: Iterator[Item], candidates: list[DataFormat], shown: str) -> 
         raise DataError(shown, None, "no rows: the data set is empty")
     if not records:
         message = f"no readable record among the first {len(seen)} to detect the format from"
-        raise DataError(shown, None, f"{message}; the first problem: {seen[0][3]}")
+        first = seen[0][3]
+        raise DataError(shown, None, f"{message}; the first problem: {first}", fix=getattr(first, "fix", ""))
     display, number, unit, record = records[0]
     keys = ", ".join(sorted(map(str, record))) or "none"  # type: ignore[arg-type]
     raise DataError(

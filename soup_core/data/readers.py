@@ -92,6 +92,10 @@ def _json_error(exc: json.JSONDecodeError) -> str:
     return f"not valid JSON: {exc.msg} (column {exc.colno})"
 
 
+_ARRAY_FIX = ("the file holds a JSON array, but a .jsonl file is JSON Lines (one object per line): rename it "
+              "to .json, or write one object per line")
+
+
 def _parse_lines(lines: Iterator[tuple[int, bytes]], display: str) -> Iterator[RawItem]:
     for number, raw in lines:
         try:
@@ -103,14 +107,16 @@ def _parse_lines(lines: Iterator[tuple[int, bytes]], display: str) -> Iterator[R
             text = text.lstrip("\ufeff")
         if not text.strip():
             continue
+        # a JSON array in a JSON Lines file fails on its first line: say what the file is, not just the line
+        fix = _ARRAY_FIX if number == 1 and text.lstrip().startswith("[") else ""
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
-            yield number, "line", DataError(display, number, _json_error(exc))
+            yield number, "line", DataError(display, number, _json_error(exc), fix=fix)
             continue
         if not isinstance(record, dict):
             message = f"expected a JSON object, got {type_name(record)}"
-            yield number, "line", DataError(display, number, message)
+            yield number, "line", DataError(display, number, message, fix=fix)
             continue
         yield number, "line", record
 

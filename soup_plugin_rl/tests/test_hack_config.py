@@ -246,4 +246,4 @@ def test_the_pre_flight_hook_refuses_with_the_reason_and_the_fix(load, plugins):
     reports = dict(plugins.call_preflight(config))
     assert "reward_hack_kp is set but mode kl_control does not use it" in reports["rlhack"].refusal
     assert "remove training.reward_hack_kp" in reports["rlhack"].fix
-    assert dict(plugins.call_preflight(load({}))) == {}
+    assert "rlhack" not in dict(plugins.call_preflight(load({})))

@@ -43,11 +43,11 @@ def test_registers_every_task_format_and_field():
     assert "training.grpo_variant" not in plugins.support[("transformers", "dpo")]
 
 
-def _write(tmp_path: Path, config: dict, rows: list[dict] | None = None) -> Path:
+def _write(tmp_path: Path, config: dict, rows: list[dict] | None = None, base: str = "./no-model") -> Path:
     rows = rows if rows is not None else [{"prompt": "Q?", "chosen": " a", "rejected": " b"}] * 4
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "soup.yaml"
-    path.write_text(yaml.safe_dump({"base": "./no-model", "data": {"train": "train.jsonl"}, **config}))
+    path.write_text(yaml.safe_dump({"base": str(base), "data": {"train": "train.jsonl"}, **config}))
     return path
 
 
@@ -89,15 +89,17 @@ def test_preflight_refuses_before_loading_anything(tmp_path, dry_run, monkeypatc
     assert code == 1 and message in out and fix in out, out
 
 
-def test_full_fine_tuning_grpo_without_kl_needs_no_reference(tmp_path, dry_run):
+def test_full_fine_tuning_grpo_without_kl_needs_no_reference(tmp_path, dry_run, tiny_model):
     rows = [{"prompt": "Q?", "answer": "4"}] * 4
-    code, out = dry_run(_write(tmp_path, {"task": "grpo", "training": {"lora": {"r": 0}, "beta": 0.0}}, rows))
+    config = {"task": "grpo", "training": {"lora": {"r": 0}, "beta": 0.0}}
+    code, out = dry_run(_write(tmp_path, config, rows, base=tiny_model))
     assert code == 0, out
 
 
-def test_dry_run_prints_how_the_variant_runs(tmp_path, dry_run):
+def test_dry_run_prints_how_the_variant_runs(tmp_path, dry_run, tiny_model):
     rows = [{"prompt": "Q?", "answer": "4"}] * 4
-    code, out = dry_run(_write(tmp_path, {"task": "grpo", "training": {"grpo_variant": "gspo"}}, rows))
+    config = {"task": "grpo", "training": {"grpo_variant": "gspo"}}
+    code, out = dry_run(_write(tmp_path, config, rows, base=tiny_model))
     assert code == 0, out
     assert "variant gspo: sequence-level ratio" in out
     assert "importance_sampling_level='sequence'" in out and "Dry run passed" in out

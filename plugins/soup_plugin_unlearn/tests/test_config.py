@@ -182,9 +182,9 @@ def test_preflight_plan_lines(tmp_path, plugins):
     assert report.lines[-1] == "unlearn_alpha is 0: the retain rows are evaluated but not trained on"
 
 
-def test_dry_run_prints_the_plan_and_refuses_through_soup_train(tmp_path, soup_train, demo_data):
+def test_dry_run_prints_the_plan_and_refuses_through_soup_train(tmp_path, soup_train, demo_data, tiny_model):
     mapping = {
-        "base": "some/model",
+        "base": str(tiny_model),  # the dry run checks the base loads
         "task": "unlearn",
         "output": str(tmp_path / "out"),
         "data": {"forget": str(demo_data["forget"]), "retain": str(demo_data["retain"])},

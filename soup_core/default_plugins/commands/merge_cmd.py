@@ -26,6 +26,8 @@ def merge(
         raise typer.Exit(1)
 
     config_file = adapter / "adapter_config.json"
+    if not adapter.exists():
+        fail(f"{adapter}: no such folder; give the output folder of a LoRA run (soup runs show RUN names it)")
     if not config_file.is_file():
         fail(f"{adapter} holds no LoRA adapter (adapter_config.json is missing). A run with "
              "training.lora.r: 0 saves a full model, which needs no merge.")
@@ -38,10 +40,19 @@ def merge(
     if not isinstance(adapter_config, dict) or "peft_type" not in adapter_config:
         fail(f"{adapter} is not a PEFT adapter (adapter_config.json has no peft_type); an adapter written by "
              "the mlx backend converts with `soup export ADAPTER --to peft -o OUT` first.")
+    recorded = adapter_config.get("base_model_name_or_path")
     if base is None:
-        base = adapter_config.get("base_model_name_or_path")
+        base = recorded
         if not base:
             fail(f"{config_file} does not say which base model it belongs to; pass --base")
+    elif recorded and base != recorded:
+        console.print(f"note: merging onto --base {escape(base)}, not the base the adapter was trained on "
+                      f"({escape(str(recorded))})")
+    from soup_core.default_plugins.transformers.checks import base_problem
+
+    problem = base_problem(base, what="--base" if base != recorded else f"the adapter's base ({config_file})")
+    if problem:
+        fail(problem + ("" if base != recorded else "; if the base moved, pass --base with its new place"))
     from soup_core.default_plugins.transformers.loading import BackendError, merge_adapter
 
     try:

@@ -54,6 +54,33 @@ def _overrides(**flags: Any) -> dict[str, Any]:
     return {paths[k]: v for k, v in flags.items() if v is not None}
 
 
+#: The option that sets each overridden config path, so an error in its value names the option.
+FLAGS = {
+    "training.learning_rate": "--lr", "training.epochs": "--epochs", "training.max_steps": "--max-steps",
+    "training.batch_size": "--batch-size", "training.gradient_accumulation_steps": "--grad-accum",
+    "output": "--output", "backend": "--backend", "experiment_name": "--name", "training.resume_from": "--resume",
+    "base": "--base", "data.train": "--data", "training.seed": "--seed",
+    "training.stream_allow_oom_attempt": "--allow-oom-attempt",
+}
+
+
+def _blame_options(exc: Any, overrides: dict[str, Any]) -> str:
+    """The config error, with each issue in a value given on the command line put on its option rather
+    than on the config file."""
+    import dataclasses
+
+    from soup_core.config import ConfigError
+
+    issues = [
+        dataclasses.replace(issue, path=f"{FLAGS.get(issue.path, 'the command line')} {overrides[issue.path]} "
+                            f"({issue.path})", line=None, column=None)
+        if issue.path in overrides else issue
+        for issue in exc.issues
+    ]
+    on_options = all(issue.path.startswith("-") for issue in issues)
+    return ConfigError(issues, "the command line" if on_options else exc.source).render()
+
+
 def train(
     config: Path = typer.Option(Path("soup.yaml"), "--config", "-c", help="The YAML config to train from."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate config, plugins, probes and data; "
@@ -112,7 +139,7 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     try:
         config = load_config(config_path, plugins=plugins, overrides=overrides)
     except ConfigError as exc:
-        return fail(exc.render())
+        return fail(_blame_options(exc, overrides))
     try:
         # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
         # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from soup_core import probes
-from soup_core.contracts import LoadedModel, Probe, ProbeResult, Support
+from soup_core.contracts import LoadedModel, PreflightReport, Probe, ProbeResult, Support
 from soup_core.default_plugins.transformers.backend import HONOURED_FIELDS, TransformersBackend
 from soup_core.hookspecs import hookimpl
 
@@ -53,6 +53,20 @@ def soup_register_probes() -> list[Probe]:
         Probe("training stack installed", _stack_installed, deep=False, scope="backend:transformers"),
         Probe("trl trainer seams", _trl_seams, deep=True, scope="backend:transformers"),
     ]
+
+
+@hookimpl
+def soup_preflight(config: Any) -> PreflightReport | None:
+    """What this backend can check without loading weights (the base, report_to, the output path), so a dry
+    run fails where the run would."""
+    if getattr(config, "backend", None) != "transformers":
+        return None
+    from soup_core.default_plugins.transformers.checks import base_problem, output_problem, report_to_problem
+    from soup_core.run import output_dir_for
+
+    problem = (base_problem(str(config.base)) or report_to_problem(config.training.report_to)
+               or output_problem(output_dir_for(config)))
+    return PreflightReport(refusal=problem) if problem else None
 
 
 @hookimpl(trylast=True)
