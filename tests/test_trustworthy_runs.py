@@ -191,3 +191,31 @@ def test_merge_messages_point_the_right_way(tiny_model: Path, tmp_path: Path, ca
     # control: with --base at the model's new place, the base check passes (and the empty adapter is the error)
     result = soup(["merge", str(adapter), "-o", str(tmp_path / "merged"), "--base", str(tiny_model)], tmp_path)
     assert "note: merging onto --base" in result.output and "does not exist" not in result.output, result.output
+
+
+# ---------------------------------------------------------------------------------------- relative paths
+
+
+def test_command_line_paths_are_from_the_working_directory_config_paths_from_its_folder(
+        tiny_model: Path, tmp_path: Path, soup_home: Path, monkeypatch) -> None:
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(6)]
+    project = tmp_path / "proj"
+    project.mkdir()
+    write_jsonl(project / "train.jsonl", rows[:4])
+    write_jsonl(tmp_path / "train.jsonl", rows[:3])  # same name, in the working directory: must not be read
+    write_jsonl(tmp_path / "more.jsonl", rows[:5])
+    cfg = write_yaml(project / "soup.yaml", {"base": str(tiny_model), "output": "runs",
+                                             "data": {"train": "train.jsonl", "max_length": 64}})
+    monkeypatch.chdir(tmp_path)
+    result = soup(["train", "-c", "proj/soup.yaml", "--dry-run"], soup_home)
+    assert result.exit_code == 0, result.output
+    assert "data.train: 4 training rows" in result.stdout  # the config's own train.jsonl, beside it
+    assert f"output: {project / 'runs'}" in result.stdout
+    result = soup(["train", "-c", str(cfg), "--dry-run", "--data", "more.jsonl", "-o", "cli-out"], soup_home)
+    assert result.exit_code == 0, result.output
+    assert "data.train: 5 training rows" in result.stdout  # ./more.jsonl, from the working directory
+    assert f"output: {tmp_path / 'cli-out'}" in result.stdout
+    # control: a name that exists only beside the config is not found from the working directory
+    write_jsonl(project / "proj-only.jsonl", rows)
+    result = soup(["train", "-c", str(cfg), "--dry-run", "--data", "proj-only.jsonl"], soup_home)
+    assert result.exit_code == 1 and str(tmp_path / "proj-only.jsonl") in result.output, result.output

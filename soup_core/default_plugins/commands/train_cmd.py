@@ -64,6 +64,31 @@ FLAGS = {
 }
 
 
+#: Config paths that name files or folders and may be given on the command line.
+PATH_OPTIONS = ("data.train", "output")
+
+
+def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Paths typed on the command line mean what the shell means: relative to the working directory."""
+    out = dict(overrides)
+    for key in PATH_OPTIONS:
+        value = out.get(key)
+        if isinstance(value, str) and value and not Path(os.path.expanduser(value)).is_absolute():
+            out[key] = str(Path.cwd() / value)
+    return out
+
+
+def _from_config_folder(config: Any, folder: Path, overrides: dict[str, Any]) -> None:
+    """Paths written in the config file are relative to the file's folder (data paths already resolve
+    there when the data is read): ``output``, and a ``base`` that is a relative path to a folder there."""
+    if "output" not in overrides and not Path(os.path.expanduser(str(config.output))).is_absolute():
+        config.output = str(folder / str(config.output))
+    base = str(config.base)
+    if "base" not in overrides and not Path(os.path.expanduser(base)).is_absolute():
+        if base.startswith(("./", "../")) or (folder / base).is_dir():
+            config.base = str((folder / base).resolve())
+
+
 def _blame_options(exc: Any, overrides: dict[str, Any]) -> str:
     """The config error, with each issue in a value given on the command line put on its option rather
     than on the config file."""
@@ -134,12 +159,13 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     if not config_path.exists():
         return fail(f"{config_path}: no such config file. Write one with `soup init`, or pass --config PATH.")
     # a rank started by launch() gets the launcher's overrides
-    overrides = {**json.loads(os.environ.get(OVERRIDES_ENV) or "{}"), **overrides}
+    overrides = {**json.loads(os.environ.get(OVERRIDES_ENV) or "{}"), **_from_cwd(overrides)}
     plugins = load_plugins()
     try:
         config = load_config(config_path, plugins=plugins, overrides=overrides)
     except ConfigError as exc:
         return fail(_blame_options(exc, overrides))
+    _from_config_folder(config, config_path.resolve().parent, overrides)
     try:
         # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
         # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do
