@@ -52,14 +52,20 @@ def test_defaults_are_documented_values(tmp_path, plugins):
 
     config = load(tmp_path, plugins, unlearn())
     t = config.training
-    assert (t.unlearn_method, t.unlearn_alpha, t.unlearn_beta, t.unlearn_gamma) == ("npo", 1.0, None, 0.0)
+    assert (t.unlearn_method, t.unlearn_alpha, t.unlearn_beta, t.unlearn_gamma) == ("npo", None, None, 0.0)
+    assert (t.unlearn_rmu_params, t.unlearn_rmu_tokens) == ("mlp", "all")
     assert (t.unlearn_rmu_layer, t.unlearn_rmu_coeff, t.unlearn_eval_steps) == (None, 6.5, None)
     assert resolved(t) == {"method": "npo", "alpha": 1.0, "beta": 0.1}
     assert describe(resolved(t)) == "npo: β=0.1, retain weight α=1"
     simnpo = load(tmp_path, plugins, unlearn(unlearn_method="simnpo")).training
     assert resolved(simnpo) == {"method": "simnpo", "alpha": 1.0, "beta": 2.5, "gamma": 0.0}
     rmu = load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_layer=3)).training
-    assert resolved(rmu) == {"method": "rmu", "alpha": 1.0, "rmu_layer": 3, "rmu_coeff": 6.5}
+    assert resolved(rmu) == {
+        "method": "rmu", "alpha": 1200.0, "rmu_layer": 3, "rmu_coeff": 6.5, "rmu_params": "mlp", "rmu_tokens": "all"
+    }
+    assert describe(resolved(rmu)) == (
+        "rmu: layer 3, c=6.5, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=1200"
+    )
     assert config.data.train is None  # data.train is not required by this task
 
 
@@ -132,7 +138,7 @@ def test_unlearn_fields_are_refused_for_another_task(tmp_path, plugins):
     mapping = {"base": "m", "data": {"train": "t.jsonl"}, "training": {"unlearn_alpha": 0.5}}
     found = issues(tmp_path, plugins, mapping)
     assert "not honoured by backend 'transformers' with task 'sft'" in found["training.unlearn_alpha"]
-    mapping = {"base": "m", "data": {"train": "t.jsonl"}, "training": {"unlearn_alpha": 1.0}}
+    mapping = {"base": "m", "data": {"train": "t.jsonl"}, "training": {"unlearn_method": "npo"}}
     assert load(tmp_path, plugins, mapping).task == "sft"  # the default value is never refused
 
 
@@ -194,7 +200,8 @@ def test_dry_run_prints_the_plan_and_refuses_through_soup_train(tmp_path, soup_t
 
     ok = soup_train(mapping, dry_run=True).output
     assert "data.forget: 8 training rows" in ok and "data.retain: 16 training rows" in ok
-    assert "method rmu: layer middle, c=12, retain weight α=1" in ok
+    assert "method rmu: layer middle, c=12, trains MLPs of layers l-2..l, averaged over all tokens, " in ok
+    assert "retain weight α=1200" in ok
     mapping["data"]["train"] = str(demo_data["forget"])
     with pytest.raises(TrainingFailed) as refused:
         soup_train(mapping, dry_run=True)
@@ -233,3 +240,30 @@ def test_registration_imports_nothing_heavy(tmp_path):
 
     assert run("plain") == []
     assert "torch" in run("control")
+
+
+@pytest.mark.parametrize(
+    ("training", "expected"),
+    [
+        ({"lora": {"r": 4}}, "training.lora.r set, but rmu with unlearn_rmu_params: mlp"),
+        ({"lora": {"target_modules": ["down_proj"]}}, "training.lora.target_modules set, but rmu with"),
+        ({"quantization": "4bit"}, "training.quantization is 4bit, but rmu with unlearn_rmu_params: mlp"),
+    ],
+)
+def test_rmu_as_published_refuses_adapter_and_quantization_settings(tmp_path, plugins, training, expected):
+    from soup_plugin_unlearn.preflight import check
+
+    report = check(load(tmp_path, plugins, unlearn(unlearn_method="rmu", **training)))
+    assert report.refusal and expected in report.refusal, report.refusal
+    assert "unlearn_rmu_params: lora" in report.fix
+    # control: the same settings with the named LoRA setting are accepted
+    ok = check(load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_params="lora", **training)))
+    assert ok.refusal is None, ok.refusal
+
+
+@pytest.mark.parametrize(("field", "value"), [("unlearn_rmu_params", "lora"), ("unlearn_rmu_tokens", "answer")])
+def test_rmu_settings_are_refused_for_other_methods(tmp_path, plugins, field, value):
+    from soup_plugin_unlearn.preflight import check
+
+    report = check(load(tmp_path, plugins, unlearn(unlearn_method="npo", **{field: value})))
+    assert f"training.{field} is used by rmu only" in report.refusal

@@ -156,6 +156,37 @@ def test_rmu_terms_equal_their_closed_forms(torch_one_thread):
     assert rmu_forget_loss(acts, everywhere, control).item() != pytest.approx(closed(control), rel=1e-3)
 
 
+def test_rmu_terms_over_all_tokens_equal_the_reference_codes_mse(torch_one_thread):
+    """Li et al. (2024)'s reference code: ``mse_loss(h_updated, c·u)`` and ``α · mse_loss(h_updated,
+    h_frozen)``, means over every position and hidden unit. With every token on (no padding), the plugin's
+    terms are exactly those, checked against a float64 sum written out by hand."""
+    torch = torch_one_thread
+    import torch.nn.functional as F
+
+    from soup_plugin_unlearn.losses import control_vector, rmu_forget_loss, rmu_retain_loss
+
+    gen = torch.Generator().manual_seed(2)
+    acts = torch.randn(2, 5, 8, generator=gen) * 3
+    frozen = torch.randn(2, 5, 8, generator=gen)
+    control = control_vector(8, 6.5, seed=0)
+    everywhere = torch.ones(2, 5, dtype=torch.bool)
+    forget = rmu_forget_loss(acts, everywhere, control).item()
+    retain = rmu_retain_loss(acts, frozen, everywhere).item()
+    a, f, c = acts.double(), frozen.double(), control.double()
+    hand_forget = sum(((a[b, t] - c) ** 2).sum().item() for b in range(2) for t in range(5)) / (2 * 5 * 8)
+    hand_retain = sum(((a[b, t] - f[b, t]) ** 2).sum().item() for b in range(2) for t in range(5)) / (2 * 5 * 8)
+    assert forget == pytest.approx(hand_forget, rel=1e-6)
+    assert retain == pytest.approx(hand_retain, rel=1e-6)
+    assert forget == pytest.approx(F.mse_loss(acts, control.expand_as(acts)).item(), rel=1e-6)
+    assert retain == pytest.approx(F.mse_loss(acts, frozen).item(), rel=1e-6)
+    # controls: the target with its sign flipped, the coefficient scaled, and a sum instead of a mean each
+    # give another number, so the comparisons above can fail
+    assert forget != pytest.approx(F.mse_loss(acts, -control.expand_as(acts)).item(), rel=1e-3)
+    assert forget != pytest.approx(F.mse_loss(acts, 2 * control.expand_as(acts)).item(), rel=1e-3)
+    assert retain != pytest.approx(F.mse_loss(acts, -frozen).item(), rel=1e-3)
+    assert retain != pytest.approx(F.mse_loss(acts, frozen, reduction="sum").item(), rel=1e-3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("beta", [1e-6, 1e4])
 def test_gradients_stay_finite_at_extreme_beta(torch_one_thread, dtype, beta):

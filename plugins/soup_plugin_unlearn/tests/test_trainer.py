@@ -268,20 +268,50 @@ def test_resume_reproduces_the_uninterrupted_run(soup_train, unlearn_config, plu
     assert not all(torch.equal(a[k], c[k]) for k in a)  # control: other retain batches, another result
 
 
-def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup_train, unlearn_config):
+def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup_train, unlearn_config, tiny_model):
+    from safetensors.torch import load_file
+
     training = {"unlearn_method": "rmu", "max_steps": 2, "gradient_checkpointing": True}
-    run = soup_train(unlearn_config("rmu", training=training, data={"val_split": 0.25}))
+    config = unlearn_config("rmu", training=training, data={"val_split": 0.25})
+    del config["training"]["lora"]  # the paper's recipe adds no adapter
+    run = soup_train(config)
     record = _eval_record(run)
-    assert record["params"] == {"method": "rmu", "alpha": 1.0, "rmu_layer": 1, "rmu_coeff": 6.5}
+    assert record["params"] == {
+        "method": "rmu", "alpha": 1200.0, "rmu_layer": 1, "rmu_coeff": 6.5, "rmu_params": "mlp", "rmu_tokens": "all"
+    }
     # data.val_split holds rows of both sets out; they are measured, not trained on
     assert record["rows"] == {"forget": 6, "retain": 12, "forget_heldout": 2, "retain_heldout": 4}
     assert {"forget_heldout_loss", "retain_heldout_loss"} <= set(record["end"])
     assert [len(e.row_loss) for e in run.micro] == [4, 2]
     assert all(r < 6 for e in run.micro for r in e.rows)
+    # only the MLP parameters of layers l-2..l (here 0 and 1) trained; every other weight is the base's
+    assert not (run.output_dir / "adapter_config.json").exists()
+    before = load_file(str(tiny_model / "model.safetensors"))
+    after = load_file(str(run.output_dir / "model.safetensors"))
+    changed = {k for k in before if not torch_equal(before[k], after[k])}
+    mlp = {k for k in before if ".mlp." in k and k.split(".layers.")[1].split(".")[0] in ("0", "1")}
+    assert mlp and changed == mlp, sorted(changed ^ mlp)
+    # the run's starting numbers are the base's (the starting MLP weights swapped back in)
+    assert record["start"]["forget_loss"] != pytest.approx(record["end"]["forget_loss"], rel=1e-3)
 
     with pytest.raises(TrainingFailed) as bad:
-        soup_train(unlearn_config("rmu-bad", training={"unlearn_method": "rmu", "unlearn_rmu_layer": 5}))
+        soup_train(unlearn_config("rmu-bad", training={"unlearn_method": "rmu", "unlearn_rmu_params": "lora",
+                                                       "unlearn_rmu_layer": 5}))
     assert "training.unlearn_rmu_layer: 5 is not a decoder layer of this model (it has 2: 0 to 1)" in bad.value.message
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def test_rmu_through_lora_is_a_named_setting(soup_train, unlearn_config):
+    training = {"unlearn_method": "rmu", "unlearn_rmu_params": "lora", "unlearn_rmu_tokens": "answer", "max_steps": 1}
+    run = soup_train(unlearn_config("rmu-lora", training=training))
+    record = _eval_record(run)
+    assert (record["params"]["rmu_params"], record["params"]["rmu_tokens"]) == ("lora", "answer")
+    assert (run.output_dir / "adapter_config.json").exists()
 
 
 def test_a_controller_sets_the_methods_coefficients_and_only_those(soup_train, unlearn_config, plugin_with):

@@ -14,15 +14,20 @@ from pathlib import Path
 from soup_core import atomic_write
 
 DATA_FILES = ("forget.jsonl", "retain.jsonl")
-#: The tiny model the demo teaches: wide enough to memorise 24 facts in a few seconds on a CPU.
-TINY = {"hidden": 128, "layers": 2}
+#: The tiny model the demo teaches: wide enough to memorise 24 facts in well under a minute on a CPU, and
+#: deep enough (4 layers) for rmu's recipe (steer layer l, train the MLPs of layers l-2..l).
+TINY = {"hidden": 128, "layers": 4}
 
-#: Method-specific settings tuned on the demo (the defaults suit a 7B model, not a 128-wide one).
+#: Each method at its documented defaults: only the method is named.
 METHOD_SETTINGS = {
-    "npo": "  unlearn_method: npo\n  unlearn_beta: 0.1\n",
-    "simnpo": "  unlearn_method: simnpo\n  unlearn_beta: 0.5\n  unlearn_gamma: 0.0\n",
-    "rmu": "  unlearn_method: rmu\n  unlearn_rmu_layer: 0\n  unlearn_rmu_coeff: 15.0\n",
+    "npo": "  unlearn_method: npo\n",
+    "simnpo": "  unlearn_method: simnpo\n",
+    "rmu": "  unlearn_method: rmu\n",
 }
+#: NPO at its defaults on the demo needs them: at 40 steps the retain recall was still 44% (60: 100%)
+DEMO_STEPS = 60
+#: The adapter of the LoRA-trained methods (rmu's published recipe trains the MLPs themselves: no adapter).
+LORA = "  lora:\n    r: 8\n    alpha: 16\n    dropout: 0.0\n"
 
 
 def data_file(name: str) -> Path:
@@ -63,16 +68,11 @@ data:
   retain: retain.jsonl
   max_length: 64
 training:
-{METHOD_SETTINGS[method]}  unlearn_alpha: 3.0
-  learning_rate: 0.003
+{METHOD_SETTINGS[method]}  learning_rate: 0.003
   batch_size: 4
-  max_steps: 60
+  max_steps: {DEMO_STEPS}
   logging_steps: 10
-  lora:
-    r: 8
-    alpha: 16
-    dropout: 0.0
-"""
+{"" if method == "rmu" else LORA}"""
 
 
 def write_demo(folder: str | Path, *, base: str | Path | None = None) -> dict[str, Path]:

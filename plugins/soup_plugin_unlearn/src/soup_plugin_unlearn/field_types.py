@@ -9,5 +9,6 @@ from pydantic import Field
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveFloatOrNone = PositiveFloat | None
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+NonNegativeFloatOrNone = NonNegativeFloat | None
 LayerIndexOrNone = Annotated[int, Field(ge=0)] | None
 StepCountOrNone = Annotated[int, Field(ge=1)] | None

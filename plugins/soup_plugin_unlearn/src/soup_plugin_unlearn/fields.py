@@ -19,10 +19,17 @@ METHODS = ("npo", "simnpo", "rmu")
 
 #: β when ``training.unlearn_beta`` is not set: NPO's paper value, and SimNPO's (Fan et al., 2024).
 DEFAULT_BETA = {"npo": 0.1, "simnpo": 2.5}
-DEFAULT_ALPHA = 1.0
+#: α when ``training.unlearn_alpha`` is not set: 1 for npo and simnpo; for rmu the value Li et al. (2024,
+#: WMDP) report for Zephyr-7B (their reference code's command-line default is 100).
+DEFAULT_ALPHA = {"npo": 1.0, "simnpo": 1.0, "rmu": 1200.0}
 DEFAULT_GAMMA = 0.0
-#: RMU's steering coefficient c (Li et al., 2024 use 6.5 on a 7B model; its activations scale with width).
+#: RMU's steering coefficient c: Li et al. (2024)'s value for Zephyr-7B (their reference code defaults to 20).
 DEFAULT_RMU_COEFF = 6.5
+#: What RMU trains: ``mlp`` = the MLP parameters of layers l−2..l (the paper), ``lora`` = a LoRA adapter.
+RMU_PARAMS = ("mlp", "lora")
+#: Where RMU averages its two terms: ``all`` = every (non-padding) token (the reference code), ``answer`` =
+#: only the positions that predict a supervised token.
+RMU_TOKENS = ("all", "answer")
 
 _TYPES = "soup_plugin_unlearn.field_types:"
 
@@ -50,10 +57,11 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "training.unlearn_alpha",
-        _TYPES + "NonNegativeFloat",
-        DEFAULT_ALPHA,
-        "Weight of the retain loss (cross-entropy for npo/simnpo, activation distance for rmu). 0 trains on "
-        "the forget loss alone: the retain term is not computed.",
+        _TYPES + "NonNegativeFloatOrNone",
+        None,
+        "Weight of the retain loss (cross-entropy for npo/simnpo, activation distance for rmu). Unset: 1 for "
+        "npo and simnpo, 1200 for rmu (Li et al., 2024). 0 trains on the forget loss alone: the retain term "
+        "is not computed.",
     ),
     ConfigField(
         "training.unlearn_beta",
@@ -79,7 +87,22 @@ FIELDS: tuple[ConfigField, ...] = (
         _TYPES + "PositiveFloat",
         DEFAULT_RMU_COEFF,
         "rmu: the steering coefficient c; forget activations are pushed toward c·u, u a fixed random unit "
-        "vector drawn from training.seed. Default 6.5.",
+        "vector drawn from training.seed. Default 6.5 (Li et al., 2024, for Zephyr-7B).",
+    ),
+    ConfigField(
+        "training.unlearn_rmu_params",
+        Literal["mlp", "lora"],
+        "mlp",
+        "rmu: what trains. mlp (the paper): only the MLP parameters of layers l−2..l, l the steered layer, "
+        "no adapter (training.lora.* and quantization are refused). lora: a LoRA adapter as training.lora "
+        "configures it (departs from the paper).",
+    ),
+    ConfigField(
+        "training.unlearn_rmu_tokens",
+        Literal["all", "answer"],
+        "all",
+        "rmu: the tokens both terms average over. all (the reference code): every non-padding token of a "
+        "row. answer: only the positions that predict a supervised token (departs from the paper).",
     ),
     ConfigField(
         "training.unlearn_eval_steps",
@@ -99,7 +122,8 @@ HONOURED: frozenset[str] = CORE_FIELDS | {f.path for f in FIELDS}
 def resolved(training: Any) -> dict[str, Any]:
     """The method's parameters with every default filled in (what the trainer uses and the plan prints)."""
     method = str(training.unlearn_method)
-    out: dict[str, Any] = {"method": method, "alpha": float(training.unlearn_alpha)}
+    alpha = training.unlearn_alpha
+    out: dict[str, Any] = {"method": method, "alpha": float(DEFAULT_ALPHA[method] if alpha is None else alpha)}
     if method in DEFAULT_BETA:
         beta = training.unlearn_beta
         out["beta"] = float(DEFAULT_BETA[method] if beta is None else beta)
@@ -108,6 +132,8 @@ def resolved(training: Any) -> dict[str, Any]:
     if method == "rmu":
         out["rmu_layer"] = training.unlearn_rmu_layer  # None: the middle layer, known once the model is
         out["rmu_coeff"] = float(training.unlearn_rmu_coeff)
+        out["rmu_params"] = str(training.unlearn_rmu_params)
+        out["rmu_tokens"] = str(training.unlearn_rmu_tokens)
     return out
 
 
@@ -121,5 +147,7 @@ def describe(params: dict[str, Any]) -> str:
     if "rmu_coeff" in params:
         layer = params.get("rmu_layer")
         parts.append(f"layer {'middle' if layer is None else layer}, c={params['rmu_coeff']:g}")
+        trains = "MLPs of layers l-2..l" if params.get("rmu_params") == "mlp" else "a LoRA adapter"
+        parts.append(f"trains {trains}, averaged over {params.get('rmu_tokens')} tokens")
     parts.append(f"retain weight α={params['alpha']:g}")
     return f"{params['method']}: " + ", ".join(parts)

@@ -89,6 +89,25 @@ def soup_register_probes() -> list[Probe]:
 
 
 @hookimpl
+def soup_load_model(config: Any, backend: str, task: Any) -> Any:
+    """rmu's published recipe (``unlearn_rmu_params: mlp``) trains the base's MLPs, not an adapter: load the
+    base with the core's loader and mark it so that the backend adds no LoRA (the trainer then chooses
+    the trainable parameters). Every other run is left to the next loader."""
+    if getattr(config, "task", None) != "unlearn" or backend != "transformers":
+        return None
+    from soup_plugin_unlearn.preflight import mlp_mode
+
+    if not mlp_mode(config):
+        return None
+    from soup_core.default_plugins.transformers import load_model_and_tokenizer
+
+    loaded = load_model_and_tokenizer(config)
+    loaded.extra["adapter_applied"] = True  # no adapter: the unlearn trainer freezes all but the MLPs
+    loaded.extra["unlearn_rmu_params"] = "mlp"
+    return loaded
+
+
+@hookimpl
 def soup_preflight(config: Any) -> PreflightReport | None:
     if getattr(config, "task", None) != "unlearn":
         return None

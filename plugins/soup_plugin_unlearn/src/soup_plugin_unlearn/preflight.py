@@ -11,6 +11,9 @@ from typing import Any
 from soup_core.contracts import PreflightReport
 from soup_plugin_unlearn.fields import DEFAULT_GAMMA, DEFAULT_RMU_COEFF, describe, resolved
 
+#: The adapter settings rmu's published recipe (``unlearn_rmu_params: mlp``) has no use for.
+LORA_PATHS = ("training.lora.r", "training.lora.alpha", "training.lora.dropout", "training.lora.target_modules")
+
 RETAIN_MISSING = (
     "data.retain is not set: training on the forget loss alone, so nothing holds the rest of the model's "
     "knowledge in place; add data.retain to keep it"
@@ -30,7 +33,42 @@ def _unused(config: Any) -> list[tuple[str, str]]:
         found.append(("training.unlearn_rmu_layer", "rmu"))
     if t.unlearn_rmu_coeff != DEFAULT_RMU_COEFF and method != "rmu":
         found.append(("training.unlearn_rmu_coeff", "rmu"))
+    if t.unlearn_rmu_params != "mlp" and method != "rmu":
+        found.append(("training.unlearn_rmu_params", "rmu"))
+    if t.unlearn_rmu_tokens != "all" and method != "rmu":
+        found.append(("training.unlearn_rmu_tokens", "rmu"))
     return found
+
+
+def mlp_mode(config: Any) -> bool:
+    """Whether the run trains rmu's published way: the MLPs of layers l−2..l, no adapter."""
+    t = config.training
+    return t.unlearn_method == "rmu" and t.unlearn_rmu_params == "mlp"
+
+
+def _mlp_mode_refusal(config: Any) -> PreflightReport | None:
+    from soup_core.config import is_default
+
+    title = "unlearn"
+    quant = config.training.quantization
+    if quant not in (None, "none"):
+        return PreflightReport(
+            title,
+            refusal=f"training.quantization is {quant}, but rmu with unlearn_rmu_params: mlp (the paper's "
+            "recipe) trains the base's own MLP weights, which cannot be trained quantized",
+            fix="remove training.quantization, or set training.unlearn_rmu_params: lora to train a LoRA "
+            "adapter on the quantized base (departs from the paper)",
+        )
+    set_lora = [path for path in LORA_PATHS if not is_default(config, path)]
+    if set_lora:
+        return PreflightReport(
+            title,
+            refusal=f"{', '.join(set_lora)} set, but rmu with unlearn_rmu_params: mlp (the paper's recipe) "
+            "trains the MLP parameters of layers l-2..l directly and adds no adapter",
+            fix=f"remove {', '.join(set_lora)}, or set training.unlearn_rmu_params: lora to train through "
+            "LoRA (departs from the paper)",
+        )
+    return None
 
 
 def check(config: Any) -> PreflightReport:
@@ -43,7 +81,11 @@ def check(config: Any) -> PreflightReport:
             "(the rows to forget) and data.retain (the rows to keep)",
             fix="remove data.train (put rows the model must keep in data.retain)",
         )
-    if int(config.training.lora.r) == 0:
+    if mlp_mode(config):
+        refused = _mlp_mode_refusal(config)
+        if refused is not None:
+            return refused
+    elif int(config.training.lora.r) == 0:
         return PreflightReport(
             title,
             refusal="task unlearn trains a LoRA adapter: the starting model (NPO's reference, RMU's frozen "

@@ -38,13 +38,20 @@ def _adapter_dir(record: Any) -> Path:
     if not record.output_dir:
         raise EvalError(f"run {record.run_id} recorded no output folder")
     out = Path(record.output_dir)
-    if not (out / "adapter_config.json").is_file():
-        why = "did not finish" if record.status != "completed" else "has no adapter there"
+    # rmu's published recipe trains the MLPs themselves: its output is a whole model folder, no adapter
+    whole = _trains_mlps(record)
+    wanted = "config.json" if whole else "adapter_config.json"
+    if not (out / wanted).is_file():
+        why = "did not finish" if record.status != "completed" else "has no trained model there"
         raise EvalError(
-            f"run {record.run_id} ({record.status}) {why}: {out} holds no adapter_config.json; evaluate a "
-            "completed run"
+            f"run {record.run_id} ({record.status}) {why}: {out} holds no {wanted}; evaluate a completed run"
         )
     return out
+
+
+def _trains_mlps(record: Any) -> bool:
+    training = record.config.get("training") or {}
+    return training.get("unlearn_method") == "rmu" and training.get("unlearn_rmu_params", "mlp") == "mlp"
 
 
 def _base_path(record: Any, adapter: Path) -> str:
@@ -53,9 +60,11 @@ def _base_path(record: Any, adapter: Path) -> str:
     base = str(record.config.get("base") or record.base_model)
     if Path(base).expanduser().exists() or not base.startswith((".", "/", "~")):
         return str(Path(base).expanduser())
-    saved = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get(
-        "base_model_name_or_path"
-    )
+    saved = None
+    if (adapter / "adapter_config.json").is_file():
+        saved = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get(
+            "base_model_name_or_path"
+        )
     if saved and Path(saved).exists():
         return str(saved)
     raise EvalError(f"the run's base model {base!r} is not there any more; restore it to evaluate the run")
@@ -134,7 +143,7 @@ def evaluate_run(
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from soup_plugin_unlearn.evaluate import measure_start_and_now
+    from soup_plugin_unlearn.evaluate import measure, measure_start_and_now
 
     data = record.config.get("data") or {}
     tok_source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
@@ -149,7 +158,10 @@ def evaluate_run(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers' own deprecations, not the user's
             model = _load_base_as_the_run_did(record, base)
-            model = PeftModel.from_pretrained(model, str(adapter))
+            if _trains_mlps(record):  # the unlearned model is a whole folder, loaded the same way
+                trained = _load_base_as_the_run_did(record, str(adapter))
+            else:
+                model, trained = PeftModel.from_pretrained(model, str(adapter)), None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -169,9 +181,13 @@ def evaluate_run(
         sets[key] = encode(training.rows)
         if training.val_rows:
             sets[f"{key}_heldout"] = encode(training.val_rows)
-    start, end = measure_start_and_now(
-        model, sets, int(tokenizer.pad_token_id), recall=recall, batch_size=batch_size
-    )
+    pad = int(tokenizer.pad_token_id)
+    if trained is None:
+        start, end = measure_start_and_now(model, sets, pad, recall=recall, batch_size=batch_size)
+    else:
+        start = measure(model, sets, pad, recall=recall, batch_size=batch_size)
+        del model
+        end = measure(trained, sets, pad, recall=recall, batch_size=batch_size)
     return {
         "run_id": record.run_id,
         "output_dir": str(adapter),
@@ -219,5 +235,5 @@ def render(result: dict[str, Any], console: Any) -> None:
         table.add_row(*cells)
     console.print(table)
     console.print(
-        f"adapter: {result['output_dir']}; loss is the mean next-token loss over each set's answer tokens"
+        f"trained model: {result['output_dir']}; loss is the mean next-token loss over each set's answer tokens"
     )

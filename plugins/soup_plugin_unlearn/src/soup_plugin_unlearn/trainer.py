@@ -16,6 +16,9 @@ With ``unlearn_alpha: 0`` no retain batch is drawn and no retain forward pass ha
 
 **The starting model.** NPO's reference log-probabilities and RMU's frozen activations come from the model
 being trained with its adapter switched off (``with model.disable_adapter():``): one copy of the weights.
+RMU's published recipe (``unlearn_rmu_params: mlp``) trains no adapter but the MLP parameters of layers
+l−2..l themselves: a copy of just those parameters, taken before the first step, is swapped in for the
+starting model's passes (:meth:`UnlearnObjective.starting_model`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,24 @@ class _StopForward(Exception):
     """Raised by the layer hook to end a frozen (no-grad) forward pass once the steered layer has run."""
 
 
+def mlp_parameters(model: Any, layers: Any, steered: int) -> dict[str, torch.nn.Parameter]:
+    """The MLP parameters of decoder layers ``steered−2 .. steered`` (fewer near layer 0), by their names in
+    ``model``: what rmu's published recipe trains (Li et al., 2024)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    found: dict[str, torch.nn.Parameter] = {}
+    for index in range(max(0, steered - 2), steered + 1):
+        layer = layers[index]
+        mlp = next((m for n, m in layer.named_children() if n in ("mlp", "feed_forward", "ffn")), None)
+        if mlp is None:
+            raise BackendError(
+                f"rmu: decoder layer {index} has no MLP submodule (mlp, feed_forward or ffn), so the paper's "
+                "recipe has nothing to train; set training.unlearn_rmu_params: lora"
+            )
+        for param in mlp.parameters():
+            found[names[id(param)]] = param
+    return found
+
+
 def decoder_layers(model: Any) -> Any:
     """The model's decoder blocks: the first ``ModuleList`` as long as ``config.num_hidden_layers``."""
     n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
@@ -130,8 +151,12 @@ class UnlearnObjective(Trainer):
         self._capturing = False
         self._stop_after_layer = False
         self.rmu_layer: int | None = None
+        self.rmu_tokens: str = str(params.get("rmu_tokens", "all"))
+        #: rmu's published recipe: the trained MLP parameters' values before the first step, by name
+        self.rmu_originals: dict[str, torch.Tensor] | None = None
         if self.method == "rmu":
-            base = self.accelerator.unwrap_model(self.model).get_base_model()
+            model = self.accelerator.unwrap_model(self.model)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
             layers = decoder_layers(base)
             layer = params.get("rmu_layer")
             layer = len(layers) // 2 if layer is None else int(layer)
@@ -141,6 +166,12 @@ class UnlearnObjective(Trainer):
                     f"{len(layers)}: 0 to {len(layers) - 1})"
                 )
             self.rmu_layer = layer
+            if params.get("rmu_params") == "mlp":
+                trained = mlp_parameters(model, layers, layer)
+                model.requires_grad_(False)
+                for param in trained.values():
+                    param.requires_grad_(True)
+                self.rmu_originals = {name: p.detach().clone() for name, p in trained.items()}
             hidden = int(base.config.hidden_size)
             self.rmu_unit = control_vector(hidden, 1.0, seed)  # c·u is rebuilt from rmu_coeff at each use
             layers[layer].register_forward_hook(self._keep_layer_output)
@@ -195,10 +226,36 @@ class UnlearnObjective(Trainer):
         batch.pop("row_index", None)
         return self._prepare_inputs(batch)
 
+    @contextlib.contextmanager
+    def starting_model(self, model: Any = None) -> Iterator[Any]:
+        """``with trainer.starting_model() as m:`` the model as it was before the first step: the adapter
+        switched off, or (rmu's ``mlp`` recipe) the trained MLP parameters' starting values swapped in."""
+        unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
+        if self.rmu_originals is None:
+            with unwrapped.disable_adapter():
+                yield unwrapped
+            return
+        params = dict(unwrapped.named_parameters())
+        kept = {}
+        for name, original in self.rmu_originals.items():
+            kept[name] = params[name].data
+            params[name].data = original
+        try:
+            yield unwrapped
+        finally:
+            for name, data in kept.items():
+                params[name].data = data
+
+    def rmu_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The positions rmu's terms average over: every non-padding token (``all``, the reference code), or
+        the positions that predict a supervised token (``answer``)."""
+        if self.rmu_tokens == "answer":
+            return predicting_mask(batch["labels"])
+        return batch["attention_mask"].bool()
+
     def reference_logps(self, model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """NPO's ``log π_ref(y|x)`` per row: the model with its adapter switched off, no gradient."""
-        peft_model = self.accelerator.unwrap_model(model)
-        with torch.no_grad(), peft_model.disable_adapter():
+        with torch.no_grad(), self.starting_model(model) as peft_model:
             logits = peft_model(
                 input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
             ).logits
@@ -207,9 +264,8 @@ class UnlearnObjective(Trainer):
     def frozen_activations(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """RMU's frozen activations on a retain batch: the adapter switched off, no gradient, the pass cut
         after the steered layer."""
-        peft_model = self.accelerator.unwrap_model(model)
-        with torch.no_grad(), peft_model.disable_adapter():
-            return self._layer_output(peft_model, batch, frozen=True)[0].detach()
+        with torch.no_grad(), self.starting_model(model) as start:
+            return self._layer_output(start, batch, frozen=True)[0].detach()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
@@ -228,7 +284,7 @@ class UnlearnObjective(Trainer):
         if retain is not None:
             if self.method == "rmu":
                 acts, _ = self._layer_output(model, retain, frozen=False)
-                retain_term = rmu_retain_loss(acts, frozen, predicting_mask(retain["labels"]))
+                retain_term = rmu_retain_loss(acts, frozen, self.rmu_mask(retain))
             else:
                 out_r = model(
                     input_ids=retain["input_ids"], attention_mask=retain["attention_mask"], use_cache=False
@@ -238,7 +294,7 @@ class UnlearnObjective(Trainer):
         if self.method == "rmu":
             acts, outputs = self._layer_output(model, inputs, frozen=False)
             control = (self.rmu_coeff * self.rmu_unit).to(acts.device)
-            forget_term = rmu_forget_loss(acts, predicting_mask(labels), control)
+            forget_term = rmu_forget_loss(acts, self.rmu_mask(inputs), control)
         else:
             outputs = model(
                 input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
@@ -315,8 +371,7 @@ class UnlearnEvalCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self._ctx.rank != 0:
             return
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        with model.disable_adapter():
+        with self.trainer.starting_model() as model:
             self.start = measure(
                 model, self.sets, self._pad(), batch_size=self.trainer.args.per_device_eval_batch_size
             )
@@ -361,7 +416,14 @@ def build_trainer(task: Any, setup: Any, *, trainer_class: type = UnlearnTrainer
         raise BackendError(
             "task unlearn: no forget rows (data.forget is not set); set data.forget to the rows to forget"
         )
-    if not isinstance(setup.model, PeftModel):
+    params = resolved(config.training)
+    if params.get("rmu_params") == "mlp":
+        if isinstance(setup.model, PeftModel):
+            raise BackendError(
+                "rmu with unlearn_rmu_params: mlp trains the base's MLPs, but the model arrived with an "
+                "adapter (another plugin loaded it); set training.unlearn_rmu_params: lora"
+            )
+    elif not isinstance(setup.model, PeftModel):
         raise BackendError(
             "task unlearn needs a LoRA adapter (the starting model is the base with the adapter off); "
             "set training.lora.r above 0"
@@ -378,7 +440,6 @@ def build_trainer(task: Any, setup: Any, *, trainer_class: type = UnlearnTrainer
 
     train = encode(forget.rows)
     retain_rows = encode(retain.rows) if retain is not None else []
-    params = resolved(config.training)
     # The Trainer's own evaluation would run this objective on held-out rows; the forget/retain
     # measurement (UnlearnEvalCallback) replaces it, held-out rows included.
     setup.args.eval_strategy = IntervalStrategy.NO
