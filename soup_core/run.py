@@ -30,6 +30,7 @@ class Plan:
     data: dict[str, Any] = field(default_factory=dict)  # data key -> TrainingList
     lines: list[str] = field(default_factory=list)
     preflight: list[tuple[str, Any]] = field(default_factory=list)  # (plugin, PreflightReport)
+    finished: str = ""  # set when the checkpoint resumed from already trained all the config asks
 
 
 def output_dir_for(config: Any) -> Path:
@@ -59,6 +60,7 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     if problems:
         raise RunRefused("\n".join(problems))
     plan = Plan(config=config, output_dir=output_dir_for(config), base_dir=base_dir)
+    _resolve_resume(plan)
     for plugin, report in plugins.call_preflight(config):
         plan.preflight.append((plugin, report))
         if report.refusal:
@@ -78,6 +80,48 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     return plan
 
 
+def _resolve_resume(plan: Plan) -> None:
+    """``training.resume_from`` (``latest``, an output folder, a checkpoint) becomes the checkpoint folder
+    itself; a checkpoint that already trained all the config asks marks the plan finished."""
+    from soup_core.checkpoints import ResumeError, finished_at, resolve_resume
+
+    value = plan.config.training.resume_from
+    if not value:
+        return
+    folder = plan.output_dir if value == "latest" else Path(str(value)).expanduser()
+    step = _finished_in(folder, plan.config)
+    if step is not None:
+        plan.finished = (f"nothing to resume: the run in {folder} finished at step {step}, where this config's "
+                         "training ends; no new run was recorded")
+        return
+    try:
+        checkpoint = resolve_resume(str(value), plan.output_dir)
+    except ResumeError as exc:
+        raise RunRefused(str(exc)) from None
+    plan.config.training.resume_from = str(checkpoint)
+    plan.lines.append(f"resume from: {checkpoint}")
+    step = finished_at(checkpoint, plan.config)
+    if step is not None:
+        plan.finished = (f"nothing to resume: {checkpoint} is at step {step}, where this config's training "
+                         "ends; the run is finished, and no new run was recorded")
+
+
+def _finished_in(folder: Path, config: Any) -> int | None:
+    """The final step of a run that completed in output folder ``folder`` and trained all that ``config``
+    asks (its manifest says so), else None."""
+    from soup_core.outputs import read_manifest
+
+    done = read_manifest(folder) if folder.is_dir() else {}
+    steps = done.get("steps")
+    if done.get("status") != "completed" or not isinstance(steps, int):
+        return None
+    t = config.training
+    if t.max_steps:
+        return steps if steps >= int(t.max_steps) else None
+    same_length = not done.get("max_steps") and float(t.epochs) <= float(done.get("epochs") or 0)
+    return steps if same_length else None
+
+
 def execute(
     plan: Plan,
     *,
@@ -85,8 +129,10 @@ def execute(
     report: Callable[[str], None] = print,
     tracker: Any = None,
     run_id: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Train: open the tracker row, build recorders/controllers and the context, call the backend."""
+    """Train: claim the output folder (rank 0; ``overwrite`` removes a previous run's files first), open the
+    tracker row, build recorders/controllers and the context, call the backend."""
     from soup_core.config import config_to_dict, dump_config_yaml
     from soup_core.data import DataError
     from soup_core.io import atomic_write
@@ -152,7 +198,16 @@ def execute(
 
     try:
         if rank == 0:
-            summary = _execute_rank0(tracker, start_kwargs, _train)
+            from soup_core.outputs import claimed
+            from soup_core.tracker import new_run_id
+
+            start_kwargs["run_id"] = rid = run_id or new_run_id()
+            resume = config.training.resume_from
+            resuming = bool(resume) and plan.output_dir.resolve() in Path(resume).resolve().parents
+            with claimed(plan.output_dir, rid, overwrite=overwrite, resuming=resuming, note=report) as claim:
+                summary = _execute_rank0(tracker, start_kwargs, _train)
+                claim.update(status=summary.get("status") or "completed", steps=summary.get("steps"),
+                             max_steps=config.training.max_steps, epochs=config.training.epochs)
         else:  # rank 0 owns the tracker row; the others just train under the id they were given
             summary = _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
     except BaseException:

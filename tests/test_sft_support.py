@@ -202,6 +202,13 @@ def case_training_save_steps(sft_run, rows, tmp_path):
     assert sorted(p.name for p in (tmp_path / "saves").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
 
 
+def case_training_save_total_limit(sft_run, rows, tmp_path):
+    run, _ = sft_run(rows(8), training={"save_steps": 1, "max_steps": 3, "save_total_limit": 2},
+                     output=tmp_path / "kept")
+    run.run()
+    assert sorted(p.name for p in (tmp_path / "kept").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
 def case_training_eval_steps(sft_run, rows, tmp_path):
     run, _ = sft_run(rows(10), data={"val_split": 0.2}, training={"eval_steps": 1})
     assert run.trainer.args.eval_strategy == "steps" and run.trainer.args.eval_steps == 1

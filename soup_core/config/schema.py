@@ -84,6 +84,9 @@ class TrainingConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="The adapter.")
     save_steps: int | None = Field(None, ge=1, description="Save a checkpoint every N steps.")
+    save_total_limit: int | None = Field(
+        None, ge=1, description="Keep only the newest N checkpoints (never the one resumed from); unset keeps all."
+    )
     eval_steps: int | None = Field(None, ge=1, description="Evaluate on the validation rows every N steps.")
     logging_steps: int = Field(10, ge=1, description="Log metrics every N steps.")
     resume_from: str | None = Field(None, description="A checkpoint folder to resume from.")

@@ -21,7 +21,7 @@ POISONED_ROW = 17
 N_ROWS = 48
 
 CONFIG = """\
-# Written by `soup quickstart`. Train it again with: soup train -c {config}
+# Written by `soup quickstart`. Train it again with: soup train -c {config} --overwrite
 base: {base}
 task: sft
 backend: transformers

@@ -25,7 +25,8 @@ def quickstart(
     console.print("[bold]soup quickstart[/]: building a tiny model and a synthetic data set (nothing is downloaded)")
     config = prepare(directory)
     console.print(f"  config: {escape(str(config))}")
-    code = run_train_command(config, overrides={}, dry_run=False)
+    # the quickstart folder is its own: a second quickstart replaces the first one's run
+    code = run_train_command(config, overrides={}, dry_run=False, overwrite=True)
     if code != 0:
         raise typer.Exit(code)
     out = directory / "output"
@@ -37,4 +38,4 @@ def quickstart(
         console.print("  soup rewind                      # which rows caused the loss spikes")
     else:
         console.print("  pip install soup-plugin-rewind   # then: soup rewind, to name the rows behind a loss spike")
-    console.print(f"  soup train -c {escape(str(config))}   # train again; edit the YAML first")
+    console.print(f"  soup train -c {escape(str(config))} --overwrite   # train again; edit the YAML first")

@@ -32,8 +32,18 @@ TRAIN_HELP = """Train from a YAML config (default: ./soup.yaml, as written by `s
 Order: validate the config → check plugins and probes → pre-flight → load and check the data →
 (--dry-run stops here and loads no model) → train, recording the run in the tracker.
 
-Exit codes: 0 trained (or the dry run passed); 1 bad config, bad data, a refused or failed run;
-2 usage error; 130 interrupted (the tracker row is marked interrupted)."""
+An output folder belongs to one run at a time (a lock, OUTPUT/.soup.lock), and a folder that holds
+another run's files is refused unless the run resumes from it or --overwrite removes them. --overwrite
+removes only what Soup wrote there: soup_config.yaml, checkpoint-* folders, the model, adapter, tokenizer
+and training_args files, and whatever the previous run listed in OUTPUT/.soup_run.json; nothing else.
+
+SIGTERM (a scheduler's pre-emption) and Ctrl-C save a checkpoint at the step in progress and print the
+command that resumes from it. --resume latest (or --resume OUTPUT_DIR) picks the newest complete
+checkpoint; resuming a run that already finished says so, exits 0 and records no run.
+
+Exit codes: 0 trained (or the dry run passed, or nothing left to resume); 1 bad config, bad data, a
+refused or failed run (an output folder in use or holding another run's files, a failed save);
+2 usage error; 130 interrupted by Ctrl-C, 143 by SIGTERM (the tracker row is marked interrupted)."""
 
 
 def _overrides(**flags: Any) -> dict[str, Any]:
@@ -122,8 +132,11 @@ def train(
     base: str | None = typer.Option(None, "--base", help="Override base (model folder or hub id)."),
     data: str | None = typer.Option(None, "--data", help="Override data.train."),
     seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
-    resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder "
-                                      "(overrides training.resume_from)."),
+    resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder, an output "
+                                      "folder's newest complete checkpoint (--resume OUTPUT_DIR), or 'latest' "
+                                      "(this config's output folder); overrides training.resume_from."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Remove a previous run's files from the output "
+                                   "folder first (only what Soup wrote there; see above)."),
     nproc: int = typer.Option(
         1, "--nproc", min=1,
         help="Train on N processes (DDP through torchrun); the config, probes, pre-flight and data are "
@@ -138,11 +151,18 @@ def train(
                            backend=backend, base=base, data=data, seed=seed, resume=resume)
     if allow_oom_attempt:  # the streaming plugin's field; without that plugin the config says which to install
         overrides["training.stream_allow_oom_attempt"] = True
-    code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc)
+    if overwrite and resume:
+        from soup_core.ui import print_error
+
+        print_error("--overwrite removes the checkpoints --resume would continue from; use one of them")
+        raise typer.Exit(2)
+    code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc, overwrite=overwrite)
     raise typer.Exit(code)
 
 
-def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1) -> int:
+def run_train_command(
+    config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1, overwrite: bool = False
+) -> int:
     """The body of ``soup train``; returns the exit code. Never lets a traceback reach the user."""
     from rich.markup import escape
 
@@ -150,7 +170,7 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
     from soup_core.data import DataError
     from soup_core.plugins import load_plugins
     from soup_core.run import RunRefused, execute, plan_run
-    from soup_core.ui import console, err_console, print_error
+    from soup_core.ui import console, print_error
 
     def fail(message: str) -> int:
         print_error(message)
@@ -175,8 +195,11 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))
     except RunRefused as exc:
         return fail(str(exc))
+    if plan.finished:
+        console.print(escape(plan.finished))
+        return 0
     if nproc > 1 and not dry_run:
-        return launch(config_path, overrides=overrides, nproc=nproc)
+        return launch(config_path, overrides=overrides, nproc=nproc, overwrite=overwrite)
     from soup_core.run import dist_env
 
     rank, _ = dist_env()
@@ -199,12 +222,19 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
             return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
+    from soup_core.interrupts import RunInterrupted, interruptible
+    from soup_core.outputs import OutputRefused
+
     try:
-        summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
-                          run_id=os.environ.get(RUN_ID_ENV) or None)
-    except KeyboardInterrupt:
-        err_console.print("Interrupted; the run is recorded as interrupted.")
-        return 130
+        with interruptible():
+            summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
+                              run_id=os.environ.get(RUN_ID_ENV) or None, overwrite=overwrite)
+    except OutputRefused as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt as exc:
+        if rank != 0:
+            return exc.exit_code if isinstance(exc, RunInterrupted) else 130
+        return _interrupted(exc, config_path, overrides, plan)
     except DataError as exc:  # found once the tokenizer encoded the rows; the tracker row holds it too
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
     except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
@@ -213,6 +243,52 @@ def run_train_command(config_path: Path, *, overrides: dict[str, Any], dry_run: 
         return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
     console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
     return 0
+
+
+#: training path -> the flag that sets it, to print the command that resumes a run as it was started
+_FLAGS = {"training.learning_rate": "--lr", "training.epochs": "--epochs", "training.max_steps": "--max-steps",
+          "training.batch_size": "--batch-size", "training.gradient_accumulation_steps": "--grad-accum",
+          "output": "--output", "backend": "--backend", "experiment_name": "--name", "base": "--base",
+          "data.train": "--data", "training.seed": "--seed"}
+
+
+def resume_command(config_path: Path, overrides: dict[str, Any], checkpoint: Path | str) -> str:
+    """The ``soup train`` command line that resumes this run from ``checkpoint``."""
+    import shlex
+
+    parts = ["soup", "train", "--config", str(config_path)]
+    for path, value in overrides.items():
+        if path in _FLAGS:
+            parts += [_FLAGS[path], str(value)]
+        elif path == "training.stream_allow_oom_attempt" and value:
+            parts.append("--allow-oom-attempt")
+    parts += ["--resume", str(checkpoint)]
+    return shlex.join(parts)
+
+
+def _interrupted(exc: KeyboardInterrupt, config_path: Path, overrides: dict[str, Any], plan: Any) -> int:
+    """Say how the run was interrupted and the exact command that resumes it; return the exit code."""
+    from soup_core.interrupts import RunInterrupted
+    from soup_core.ui import err_console
+
+    signum_name = exc.signal_name if isinstance(exc, RunInterrupted) else "SIGINT"
+    checkpoint = exc.checkpoint if isinstance(exc, RunInterrupted) else None
+    code = exc.exit_code if isinstance(exc, RunInterrupted) else 130
+    if checkpoint is not None:
+        err_console.print(f"Interrupted ({signum_name}) at step {exc.step}; checkpoint saved to {checkpoint}; "
+                          "the run is recorded as interrupted.", markup=False, highlight=False, soft_wrap=True)
+        err_console.print("Resume with: " + resume_command(config_path, overrides, checkpoint),
+                          markup=False, highlight=False, soft_wrap=True)
+        return code
+    from soup_core.checkpoints import newest_checkpoint
+
+    last = newest_checkpoint(plan.output_dir)
+    err_console.print(f"Interrupted ({signum_name}) before a step could be checkpointed; the run is recorded "
+                      "as interrupted.", markup=False, highlight=False, soft_wrap=True)
+    if last is not None:
+        err_console.print("Resume from its last checkpoint with: " + resume_command(config_path, overrides, last),
+                          markup=False, highlight=False, soft_wrap=True)
+    return code
 
 
 @contextlib.contextmanager
@@ -232,7 +308,7 @@ def _world_size(n: int | None) -> Iterator[None]:
             os.environ["WORLD_SIZE"] = before
 
 
-def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int) -> int:
+def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int, overwrite: bool = False) -> int:
     """Run ``soup train`` on ``nproc`` local processes; returns the exit code of the group."""
     from soup_core.tracker import new_run_id
 
@@ -241,7 +317,7 @@ def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int) -> int:
     env[OVERRIDES_ENV] = json.dumps(overrides)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "soup_core", "train", "--config", str(config_path)]
+           "-m", "soup_core", "train", "--config", str(config_path), *(["--overwrite"] if overwrite else [])]
     print(f"Launching {nproc} processes (torchrun, run {env[RUN_ID_ENV]})", flush=True)
     try:
         return subprocess.call(cmd, env=env)
@@ -263,8 +339,11 @@ def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
         return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
     from soup_core.data import check_supervision
+    from soup_core.progress import RowProgress
+    from soup_core.ui import console
 
-    encoded = task.encode(training.rows, tokenizer, config)
+    rows = RowProgress(training.rows, what="tokenising the training rows", report=console.print)
+    encoded = task.encode(rows, tokenizer, config)
     lengths = sorted(len(e["input_ids"]) for e in encoded)
     if not lengths:
         return "token lengths: no rows"

@@ -24,8 +24,8 @@ HONOURED_FIELDS: frozenset[str] = frozenset({
     "training.max_grad_norm", "training.seed", "training.dtype", "training.quantization",
     "training.bnb_4bit_use_double_quant", "training.gradient_checkpointing",
     "training.lora.r", "training.lora.alpha", "training.lora.dropout", "training.lora.target_modules",
-    "training.save_steps", "training.eval_steps", "training.logging_steps", "training.resume_from",
-    "training.report_to",
+    "training.save_steps", "training.save_total_limit", "training.eval_steps", "training.logging_steps",
+    "training.resume_from", "training.report_to",
 })
 
 
@@ -162,15 +162,26 @@ class PreparedRun:
             packing=self.setup.packing,
             resumed_from_step=resumed,
         )
+        from soup_core.interrupts import RunInterrupted, graceful
+
         progress = self.setup.progress
         with ctx.reporting(
             start, steps=lambda: trainer.state.global_step, on_exit=progress.close if progress else lambda: None
         ) as outcome:
             # transformers' own save/load bars would interleave with the progress display
             with quiet_progress():
-                output = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+                with graceful():  # a SIGTERM or Ctrl-C ends the step in progress, which is checkpointed
+                    output = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+                signum = getattr(trainer, "soup_interrupted_by", None)
+                if signum:
+                    step = trainer.state.global_step
+                    checkpoint = Path(ctx.output_dir) / f"checkpoint-{step}"
+                    raise RunInterrupted(signum, checkpoint=checkpoint if checkpoint.is_dir() else None, step=step)
                 outcome.status = "stopped" if trainer.soup_stop_reason else "completed"
-                trainer.save_model(str(ctx.output_dir))
+                if hasattr(trainer, "soup_save_final"):
+                    trainer.soup_save_final(ctx.output_dir)
+                else:  # a trainer built without the mixin
+                    trainer.save_model(str(ctx.output_dir))
         status = outcome.status
         model = trainer.model
         self.summary = {

@@ -176,7 +176,11 @@ def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
 
     config = setup.ctx.config
     training = setup.ctx.training
-    train = task.encode(training.rows, setup.tokenizer, config)
+    from soup_core.progress import RowProgress
+
+    report = setup.ctx.report if setup.ctx.rank == 0 else (lambda message: None)
+    rows = RowProgress(training.rows, what="tokenising the training rows", report=report)
+    train = task.encode(rows, setup.tokenizer, config)
     skipped = check_supervision(train, training=training, max_length=int(config.data.max_length),
                                 on_bad_row=str(config.data.on_bad_row))
     if skipped and setup.ctx.rank == 0:
@@ -262,6 +266,7 @@ class SoupTrainerMixin:
         self.soup_stop_reason: str | None = None
         self.soup_last_metrics: dict[str, float] = {}
         self.soup_rollbacks: list[str] = []
+        self.soup_interrupted_by: int | None = None  # the signal that stopped the run at a step
         self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
         self._soup_own_loss = type(self).soup_token_loss is not SoupTrainerMixin.soup_token_loss
 
@@ -427,9 +432,38 @@ class SoupTrainerMixin:
         if step != self._soup_emitted_step and step == self._soup_micro_step:
             self._soup_emitted_step = step
             self._soup_after_step(step, grad_norm, learning_rate)
+            if self._soup_signalled():  # pre-emption: checkpoint this step through the loop's own save, stop
+                self.control.should_save = True
+                self.control.should_training_stop = True
         return super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
+
+    def _soup_signalled(self) -> bool:
+        """Whether a SIGTERM or Ctrl-C arrived (on any rank: every rank must stop at the same step)."""
+        from soup_core.interrupts import pending
+
+        signum = pending()
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([signum or 0], device=self.args.device)
+            signum = int(self.accelerator.reduce(flag, reduction="sum").item()) and (signum or 15)
+        if signum:
+            self.soup_interrupted_by = int(signum)
+        return bool(signum)
+
+    # -------------------------------------------------------------------- saving
+
+    def _save_checkpoint(self, model, trial):
+        # written whole into a temp folder, then renamed; see saving.save_checkpoint
+        from soup_core.default_plugins.transformers.saving import save_checkpoint
+
+        save_checkpoint(self, lambda: super(SoupTrainerMixin, self)._save_checkpoint(model, trial), trial)
+
+    def soup_save_final(self, output_dir: Path) -> None:
+        """Save the trained model into ``output_dir``, every file whole before it takes its name."""
+        from soup_core.default_plugins.transformers.saving import save_final
+
+        save_final(self, Path(output_dir))
 
     def soup_step_metrics(self) -> dict[str, float]:
         """Extra metrics of the step that just finished, merged into the optimizer-step event (so

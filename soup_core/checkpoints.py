@@ -1,0 +1,88 @@
+"""Finding the checkpoint a run resumes from (``--resume latest``, ``--resume OUTPUT_DIR``, a checkpoint folder).
+
+Standard library only. A checkpoint is a folder ``checkpoint-<step>`` with a ``trainer_state.json`` (the
+convention of transformers' Trainer, which the built-in backend and the mlx plugin both keep); it is
+*complete* when that file is there, since the backends write checkpoints into a temp folder and rename it
+only once everything, the state last, is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STATE_NAME = "trainer_state.json"
+PREFIX = "checkpoint-"
+
+
+class ResumeError(ValueError):
+    """``training.resume_from`` names nothing a run can resume from; the message says what is there."""
+
+
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every complete ``checkpoint-<step>`` directly in ``folder``, oldest first."""
+    found = []
+    if folder.is_dir():
+        for child in folder.iterdir():
+            suffix = child.name[len(PREFIX):]
+            if child.name.startswith(PREFIX) and suffix.isdigit() and (child / STATE_NAME).is_file():
+                found.append((int(suffix), child))
+    return sorted(found)
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The complete checkpoint of ``folder`` with the highest step, or None."""
+    found = complete_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def _holds(folder: Path, limit: int = 8) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if not p.name.startswith("."))
+    if not names:
+        return "it is empty"
+    return "it holds " + ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def resolve_resume(value: str, output_dir: Path) -> Path:
+    """The checkpoint folder ``value`` means: ``latest`` is the newest complete checkpoint of
+    ``output_dir``; a folder with a ``trainer_state.json`` is itself; any other folder, its newest
+    complete checkpoint. Raises ResumeError naming what the folder holds when there is none."""
+    folder = output_dir if value == "latest" else Path(value).expanduser()
+    what = f"--resume {value}" + (f" (output folder {output_dir})" if value == "latest" else "")
+    if not folder.is_dir():
+        raise ResumeError(f"{what}: no such folder {folder}")
+    if (folder / STATE_NAME).is_file():
+        return folder
+    found = newest_checkpoint(folder)
+    if found is None:
+        raise ResumeError(
+            f"{what}: {folder} has no complete checkpoint-N folder to resume from; {_holds(folder)}. "
+            "Checkpoints are saved every training.save_steps steps, and when a run is interrupted"
+        )
+    return found
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's ``trainer_state.json`` ({} when unreadable)."""
+    try:
+        state = json.loads((checkpoint / STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def finished_at(checkpoint: Path, config: Any) -> int | None:
+    """The step at which the run saved in ``checkpoint`` had already trained all that ``config`` asks
+    (``training.max_steps``, else the same number of epochs, all done); None when there is more to train."""
+    state = read_state(checkpoint)
+    step = state.get("global_step")
+    if not isinstance(step, int):
+        return None
+    t = config.training
+    if t.max_steps:
+        return step if step >= int(t.max_steps) else None
+    planned, epochs = state.get("max_steps"), state.get("num_train_epochs")
+    if isinstance(planned, int) and planned > 0 and step >= planned and isinstance(epochs, (int, float)):
+        return step if float(t.epochs) <= float(epochs) else None
+    return None

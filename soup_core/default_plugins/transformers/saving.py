@@ -1,0 +1,88 @@
+"""Checkpoints and the final model, never half-written: each is written into a temp folder beside its
+target (``.soup-tmp-...``) and renamed once whole. A failed write (disk full, no permission) names the
+folder and the reason, removes the temp folder, and fails the run with that message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from soup_core.checkpoints import complete_checkpoints
+from soup_core.default_plugins.transformers.loading import BackendError
+from soup_core.outputs import TMP_PREFIX
+
+_AFTER = "free space or fix the permissions, then resume from the last checkpoint (--resume latest)"
+
+
+def reason(exc: BaseException) -> str:
+    """The cause of a failed write in words (``No space left on device``), from the innermost OS error."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def save_checkpoint(trainer: Any, write: Callable[[], None], trial: Any) -> None:
+    """Run the Trainer's own ``_save_checkpoint`` (``write``) with its output folder pointed at a temp
+    folder, rename the result to ``checkpoint-N``, then prune to ``training.save_total_limit``."""
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    name = f"checkpoint-{trainer.state.global_step}"
+    staging, final = run_dir / f"{TMP_PREFIX}{name}", run_dir / name
+    trainer._get_output_dir = lambda trial=None: str(staging)  # the seam _save_checkpoint writes under
+    try:
+        write()
+        trainer.accelerator.wait_for_everyone()  # every rank wrote its part (its RNG state) before the rename
+        if trainer.args.should_save:
+            if final.exists():  # the same step saved again: the new one wins
+                shutil.rmtree(final)
+            os.replace(staging / name, final)
+            staging.rmdir()
+    except Exception as exc:
+        if trainer.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise BackendError(f"could not save checkpoint {final}: {reason(exc)}; nothing was left there ({_AFTER})") \
+            from exc
+    finally:
+        del trainer._get_output_dir
+    if trainer.args.should_save:
+        prune(run_dir, getattr(trainer._soup.ctx.config.training, "save_total_limit", None),
+              keep=trainer._soup.ctx.resume_from)
+
+
+def prune(run_dir: Path, limit: int | None, *, keep: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Delete all but the newest ``limit`` complete checkpoints of ``run_dir``, never ``keep`` (the
+    checkpoint the run resumed from); returns those deleted."""
+    if not limit:
+        return []
+    kept = Path(keep).resolve() if keep else None
+    deleted = []
+    for _, path in complete_checkpoints(run_dir)[: -int(limit)]:
+        if path.resolve() != kept:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+    return deleted
+
+
+def save_final(trainer: Any, output_dir: Path) -> None:
+    """``trainer.save_model`` into a temp folder, then each file renamed into ``output_dir``."""
+    staging = output_dir / f"{TMP_PREFIX}final"
+    try:
+        trainer.save_model(str(staging))
+        trainer.accelerator.wait_for_everyone()
+        if trainer.args.should_save:
+            for entry in sorted(staging.iterdir()):
+                target = output_dir / entry.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(entry, target)
+            staging.rmdir()
+    except Exception as exc:
+        if trainer.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise BackendError(f"could not save the trained model to {output_dir}: {reason(exc)}; nothing partial "
+                           f"was left there ({_AFTER})") from exc

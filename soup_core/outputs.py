@@ -1,0 +1,275 @@
+"""One run per output folder: the folder's lock, the check against mixing two runs' files, ``--overwrite``.
+
+Standard library only. The lock is ``OUTPUT/.soup.lock`` (JSON: run id, pid, host, the pid's start time),
+created whole or not at all (written to a temp file, then hard-linked to its name, which fails when the
+name exists). A lock whose process is gone (same host: the pid no longer exists, or names another process)
+is taken over with a note; a lock from another host is never taken over: this host cannot tell whether
+that run still goes on.
+
+A folder *holds a run's artefacts* when it has any of :data:`KNOWN_ARTEFACTS` (what Soup, transformers and
+peft write into an output folder) or the files a finished run listed in ``.soup_run.json`` (its manifest:
+every top-level entry the run created or changed, plugin logs included). ``--overwrite`` removes exactly
+those, and never anything else in the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".soup.lock"
+MANIFEST_NAME = ".soup_run.json"
+#: Temp folders a save writes into before it renames (``.soup-tmp-checkpoint-7``): a leftover is an artefact.
+TMP_PREFIX = ".soup-tmp-"
+
+#: Top-level names (glob patterns) Soup and the engines it drives write into an output folder.
+KNOWN_ARTEFACTS: tuple[str, ...] = (
+    "soup_config.yaml", MANIFEST_NAME, "checkpoint-*", f"{TMP_PREFIX}*",
+    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+    "pytorch_model*.bin", "pytorch_model.bin.index.json", "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "training_args.bin",
+)
+
+
+class OutputRefused(RuntimeError):
+    """The output folder cannot be used by this run (locked by another, or holding another run's files)."""
+
+
+def host_name() -> str:
+    """This host's name, as the tracker records it."""
+    return os.uname().nodename if hasattr(os, "uname") else os.environ.get("COMPUTERNAME", "")
+
+
+# ------------------------------------------------------------------------------------------------ lock
+
+
+def read_lock(folder: Path) -> dict[str, Any] | None:
+    """The lock's holder (``run_id``, ``pid``, ``host``, ...), None without a lock; ``{}`` if unreadable."""
+    try:
+        text = (folder / LOCK_NAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _holder(info: dict[str, Any]) -> str:
+    return f"run {info.get('run_id', '?')} (pid {info.get('pid', '?')} on host {info.get('host', '?')})"
+
+
+def _holder_gone(info: dict[str, Any]) -> bool:
+    """Whether the lock's process is known to be gone: only ever true for a process of this host."""
+    from soup_core.tracker.store import pid_alive
+
+    if info.get("host") != host_name() or not isinstance(info.get("pid"), int):
+        return False
+    ticks = info.get("start_ticks")
+    return not pid_alive(int(info["pid"]), ticks if isinstance(ticks, int) else None)
+
+
+def _link_new(folder: Path, payload: dict[str, Any]) -> bool:
+    """Create the lock with ``payload``, whole; False when a lock is already there."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{LOCK_NAME}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, folder / LOCK_NAME)  # atomic, and fails if the name exists (O_EXCL for a whole file)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def acquire_lock(folder: Path, run_id: str, *, note: Callable[[str], None] = print) -> bool:
+    """Take the folder's lock for ``run_id``. Returns True when taken here (the caller releases it), False
+    when ``run_id`` already holds it (a launcher took it for its ranks). Raises OutputRefused naming the
+    holder when another run holds it."""
+    from soup_core.tracker.store import process_start_ticks
+
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {"run_id": run_id, "pid": os.getpid(), "host": host_name(),
+               "start_ticks": process_start_ticks(os.getpid()), "since": time.time()}
+    for _ in range(3):
+        if _link_new(folder, payload):
+            return True
+        info = read_lock(folder)
+        if info is None:
+            continue  # released between our two looks
+        if info.get("run_id") == run_id:
+            return False
+        lock = folder / LOCK_NAME
+        if not info:
+            raise OutputRefused(
+                f"output folder {folder} has a lock file Soup cannot read ({lock}); if no run is writing "
+                f"there, delete {lock} and run again"
+            )
+        if not _holder_gone(info):
+            where = ("" if info.get("host") == host_name() else
+                     f"; Soup cannot check a process of another host: if that run is over, delete {lock}")
+            raise OutputRefused(
+                f"output folder {folder} is in use by {_holder(info)}{where}. Wait for it to finish, or "
+                "train into another folder (--output)"
+            )
+        # the holder is gone: move its lock aside under a name of our own, so two takers cannot both win
+        stale = folder / f"{LOCK_NAME}.stale.{os.getpid()}"
+        try:
+            os.rename(lock, stale)
+        except FileNotFoundError:
+            continue
+        moved = read_lock_file(stale)
+        if moved != info:  # we moved a newer lock than the one judged dead: put it back and look again
+            with contextlib.suppress(OSError):
+                os.link(stale, lock)
+            stale.unlink(missing_ok=True)
+            continue
+        stale.unlink(missing_ok=True)
+        note(f"taking over the lock of output folder {folder}: {_holder(info)} is no longer running")
+    raise OutputRefused(f"output folder {folder}: could not take its lock ({folder / LOCK_NAME}); try again")
+
+
+def read_lock_file(path: Path) -> dict[str, Any] | None:
+    """A lock file's content, None when unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def release_lock(folder: Path, run_id: str) -> None:
+    """Remove the lock if ``run_id`` holds it (never another run's)."""
+    info = read_lock(folder)
+    if info and info.get("run_id") == run_id:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / LOCK_NAME).unlink()
+
+
+# ------------------------------------------------------------------------------------------- artefacts
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def artefacts(folder: Path) -> list[str]:
+    """The top-level names in ``folder`` that a previous run wrote (sorted); never the lock."""
+    if not folder.is_dir():
+        return []
+    listed = {str(n) for n in _manifest(folder).get("artefacts", []) if isinstance(n, str)}
+    found = []
+    for entry in folder.iterdir():
+        name = entry.name
+        if name == LOCK_NAME or name.startswith(f"{LOCK_NAME}."):
+            continue
+        if name in listed or any(fnmatch.fnmatchcase(name, pattern) for pattern in KNOWN_ARTEFACTS):
+            found.append(name)
+    return sorted(found)
+
+
+def describe(folder: Path, names: list[str], limit: int = 6) -> str:
+    """``a, b, c and 4 more``, plus the run that wrote them when its manifest says."""
+    shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+    run = _manifest(folder).get("run_id")
+    return shown + (f"; written by run {run}" if run else "")
+
+
+def remove_artefacts(folder: Path) -> list[str]:
+    """Delete what :func:`artefacts` lists; returns the names removed."""
+    names = artefacts(folder)
+    for name in names:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return names
+
+
+def _snapshot(folder: Path) -> dict[str, int]:
+    return {e.name: e.stat(follow_symlinks=False).st_mtime_ns for e in folder.iterdir()} if folder.is_dir() else {}
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """What the last run in ``folder`` wrote about itself ({} when nothing): run id, status, artefacts, and
+    for a finished run its ``steps``, ``max_steps`` and ``epochs``."""
+    return _manifest(folder)
+
+
+def write_manifest(
+    folder: Path, run_id: str, before: dict[str, int], status: str, extra: dict[str, Any] | None = None
+) -> None:
+    """List every top-level entry this run created or changed, so ``--overwrite`` can remove them later."""
+    from soup_core.io import atomic_write
+
+    now = _snapshot(folder)
+    changed = {n for n, t in now.items() if before.get(n) != t}
+    changed |= {str(n) for n in _manifest(folder).get("artefacts", []) if n in now}  # a resumed run adds
+    changed -= {LOCK_NAME, MANIFEST_NAME}
+    changed = {n for n in changed if not n.startswith(f"{LOCK_NAME}.")}
+    atomic_write(folder / MANIFEST_NAME, json.dumps(
+        {"run_id": run_id, "status": status, **(extra or {}), "artefacts": sorted(changed)}, indent=1))
+
+
+@contextlib.contextmanager
+def claimed(
+    folder: Path, run_id: str, *, overwrite: bool, resuming: bool, note: Callable[[str], None] = print
+) -> Iterator[dict[str, Any]]:
+    """Hold ``folder`` for the run: lock it, refuse it when it holds another run's files (unless the run
+    resumes from there, or ``overwrite`` removes them first), and list what the run wrote when it ends.
+    Yields a dict whose items the manifest also records (the run's final step, say)."""
+    took = acquire_lock(folder, run_id, note=note)
+    try:
+        existing = artefacts(folder)
+        if existing and overwrite:
+            note(f"--overwrite: removed from {folder}: {describe(folder, existing)}")
+            remove_artefacts(folder)
+        elif existing and not resuming:
+            from soup_core.checkpoints import newest_checkpoint
+
+            resume = f", --resume {folder} to continue that run" if newest_checkpoint(folder) else ""
+            raise OutputRefused(
+                f"output folder {folder} already holds another run's files ({describe(folder, existing)}). "
+                f"Pass --overwrite to remove them first{resume}, or train into another folder (--output)"
+            )
+        before = _snapshot(folder)
+    except BaseException:
+        if took:
+            release_lock(folder, run_id)
+        raise
+    status, extra = "failed", {}
+    try:
+        yield extra
+        status = str(extra.pop("status", "completed"))
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        try:
+            write_manifest(folder, run_id, before, status, extra if status == "completed" else None)
+        except OSError:
+            pass  # a full disk already failed the run, with the reason; the manifest only helps --overwrite
+        if took:
+            release_lock(folder, run_id)
