@@ -330,3 +330,26 @@ def test_a_controller_sets_the_methods_coefficients_and_only_those(soup_train, u
     text = failed.value.output
     assert "Set beta = 0.5 at step 1" in text and "Set alpha = 0.0 at step 1" in text
     assert "coefficient 'gamma', which the unlearn trainer does not have (it has: alpha, beta)" in text
+
+
+def test_rmu_averages_over_every_token_by_default_and_over_answers_when_named(torch_one_thread):
+    torch = torch_one_thread
+    from soup_plugin_unlearn.losses import rmu_forget_loss
+    from soup_plugin_unlearn.trainer import UnlearnObjective
+
+    batch = {
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+        "labels": torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, -100, -100, -100]]),
+    }
+    trainer = UnlearnObjective.__new__(UnlearnObjective)  # rmu_mask reads nothing but rmu_tokens
+    trainer.rmu_tokens = "all"
+    assert trainer.rmu_mask(batch).tolist() == [[True] * 4 + [False], [True] * 5]  # padding left out
+    trainer.rmu_tokens = "answer"
+    assert trainer.rmu_mask(batch).tolist() == [[False, True, True, False, False], [True] + [False] * 4]
+    # the two give different terms on the same activations (the setting is used, not ignored)
+    acts = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    control = torch.ones(4)
+    trainer.rmu_tokens = "all"
+    every = rmu_forget_loss(acts, trainer.rmu_mask(batch), control).item()
+    trainer.rmu_tokens = "answer"
+    assert rmu_forget_loss(acts, trainer.rmu_mask(batch), control).item() != pytest.approx(every, rel=1e-3)
