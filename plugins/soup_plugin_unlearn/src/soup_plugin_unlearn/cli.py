@@ -29,8 +29,9 @@ def eval_command(
 ) -> None:
     """Print an unlearn run's forget-set and retain-set loss: starting model vs unlearned.
 
-    Exit codes: 0 printed; 1 the run cannot be evaluated (not found, not an unlearn run, no adapter,
-    data or base model gone)."""
+    The base is loaded as the run loaded it (its dtype and quantization). Exit codes: 0 printed; 1 the run
+    cannot be evaluated (not found, not an unlearn run, no trained model, data or base model gone, or the
+    base cannot be loaded the way the run did)."""
     from rich.console import Console
     from rich.markup import escape
 
