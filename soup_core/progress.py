@@ -95,3 +95,40 @@ class ProgressLine:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+#: Seconds of work after which a long step (tokenising the rows) starts saying how far it is.
+SLOW_AFTER_S = 2.0
+
+
+class RowProgress:
+    """The rows of a data set, as a sequence, that say how far a slow pass over them has got.
+
+    Iterating yields the rows unchanged; once the pass has run ``SLOW_AFTER_S`` seconds, it reports one line
+    (``tokenising: 40,000 of 100,000 rows, 5 s``) at most every ``SLOW_AFTER_S`` seconds, and a last one at
+    the end. A fast pass reports nothing. Indexing and ``len`` reach the rows themselves.
+    """
+
+    def __init__(self, rows: Any, *, what: str, report: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rows, self.what, self.report, self.clock = rows, what, report, clock
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.rows[index]
+
+    def __iter__(self) -> Any:
+        started = last = self.clock()
+        total = len(self.rows)
+        said = False
+        for done, row in enumerate(self.rows):
+            if done % 256 == 0 and done:
+                now = self.clock()
+                if now - started >= SLOW_AFTER_S and now - last >= SLOW_AFTER_S:
+                    self.report(f"{self.what}: {done:,} of {total:,} rows, {now - started:.0f} s")
+                    last, said = now, True
+            yield row
+        if said:
+            self.report(f"{self.what}: {total:,} of {total:,} rows, {self.clock() - started:.0f} s")

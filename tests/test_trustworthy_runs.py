@@ -219,3 +219,60 @@ def test_command_line_paths_are_from_the_working_directory_config_paths_from_its
     write_jsonl(project / "proj-only.jsonl", rows)
     result = soup(["train", "-c", str(cfg), "--dry-run", "--data", "proj-only.jsonl"], soup_home)
     assert result.exit_code == 1 and str(tmp_path / "proj-only.jsonl") in result.output, result.output
+
+
+# ------------------------------------------------------------------------------- noise and progress
+
+NOISE = "gemm_4bit_forward from kernels-community"
+
+
+def test_third_party_noise_is_gone_from_soup_commands(soup_home: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from soup_core.testing import run_soup
+
+    env = {"SOUP_HOME": str(soup_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    doctor = run_soup(["doctor"], env=env, cwd=tmp_path)
+    assert NOISE not in doctor.stderr + doctor.stdout and "pip install kernels" not in doctor.stderr
+    # control: bitsandbytes imported bare prints the line, and imported after Soup's transformers package
+    # (which silences it) does not, so the silencing is what removes it
+    def stderr_of(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**__import__("os").environ, **env}).stderr
+
+    assert NOISE in stderr_of("import bitsandbytes")
+    assert NOISE not in stderr_of("import soup_core.default_plugins.transformers, bitsandbytes")
+
+
+def test_the_transformers_future_warning_is_silenced(tiny_model: Path) -> None:
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from soup_core.default_plugins.transformers.noise import silence_third_party_noise
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # control: without the filter, transformers warns
+        assert model.is_gradient_checkpointing is False
+        assert any("is_gradient_checkpointing" in str(w.message) for w in seen)
+        seen.clear()
+        silence_third_party_noise()
+        model.is_gradient_checkpointing  # noqa: B018 - the property access is what warns
+        warnings.warn("another FutureWarning still shows", FutureWarning, stacklevel=1)
+        assert [str(w.message) for w in seen] == ["another FutureWarning still shows"]
+
+
+def test_tokenising_a_large_data_set_says_how_far_it_is(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                         monkeypatch) -> None:
+    import soup_core.progress
+
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(600)]
+    cfg = config(tmp_path, tiny_model, max_length=32, rows=rows)
+    code, out = dry(cfg, soup_home)
+    assert code == 0 and "tokenising the training rows" not in out, out  # control: a fast pass says nothing
+    monkeypatch.setattr(soup_core.progress, "SLOW_AFTER_S", 0.0)  # every pass counts as slow
+    code, out = dry(cfg, soup_home)
+    assert code == 0, out
+    assert "tokenising the training rows: 256 of 600 rows" in out and "600 of 600 rows" in out, out

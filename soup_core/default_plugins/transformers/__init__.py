@@ -19,6 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from soup_core.default_plugins.transformers.noise import silence_third_party_noise
+
+# every module of this package (the backend, the trainer, the loaders, the base checks) imports transformers,
+# peft, trl or bitsandbytes, and each runs this package first: silenced here, silenced for all of them
+silence_third_party_noise()
+
 # name -> submodule
 _EXPORTS = {
     **dict.fromkeys(("HONOURED_FIELDS", "PreparedRun", "TransformersBackend"), "backend"),
