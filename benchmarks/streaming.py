@@ -42,6 +42,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -247,6 +248,9 @@ def _soup_run(
     if not data.exists():
         harness.write_rows(data, 16, words=run["seq"])
     folder = work / "runs" / name
+    # --work outlives a benchmark run, and soup train refuses a folder holding another run's files: each
+    # measurement trains into a fresh output folder
+    shutil.rmtree(folder / "out", ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "soup.yaml"
     config.write_text(

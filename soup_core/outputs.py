@@ -242,7 +242,9 @@ def claimed(
     Yields a dict whose items the manifest also records (the run's final step, say)."""
     took = acquire_lock(folder, run_id, note=note)
     try:
-        existing = artefacts(folder)
+        # a run that failed before training wrote only its config and manifest: nothing there to mix with
+        found = artefacts(folder)
+        existing = found if set(found) - {"soup_config.yaml", MANIFEST_NAME} else []
         if existing and overwrite:
             note(f"--overwrite: removed from {folder}: {describe(folder, existing)}")
             remove_artefacts(folder)

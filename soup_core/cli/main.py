@@ -18,7 +18,7 @@ import typer  # noqa: E402
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 success; 1 the command failed (bad config, bad data, run failed, nothing found); "
-    "2 usage error; 130 interrupted."
+    "2 usage error; 130 interrupted (Ctrl-C); 143 interrupted by SIGTERM (soup train)."
 )
 
 
