@@ -133,10 +133,11 @@ def test_the_sft_phase_memorised_every_fact(facts, learned):
     assert learned["forget_recall"] == 1.0 and learned["retain_recall"] == 1.0
 
 
-#: Measured on this demo (4 layers, 40 steps at lr 3e-3): rmu at its paper defaults (α = 1200, c = 6.5, the
+#: Measured on this demo (4 layers, 60 steps at lr 3e-3): rmu at its paper defaults (α = 1200, c = 6.5, the
 #: MLPs of layers 0..2 trained, layer 2 steered) leaves the forget set's greedy recall at 100% (forget loss
-#: 0.0448 → 0.0505 after 60 steps): with α = 1200 the retain term, over every token of retain rows that
-#: share the forget rows' prompt template, holds the steered activations in place. Reported, not tuned away.
+#: 0.0448 → 0.0505): with α = 1200 the retain term, over every token of retain rows that share the forget
+#: rows' prompt template, holds the steered activations in place. Reported, not tuned away (the README
+#: lists the settings measured to reach the bar).
 RMU_BELOW_THE_BAR = "rmu at the paper's defaults does not unlearn this tiny demo (forget recall stays 100%)"
 
 
