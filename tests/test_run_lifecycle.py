@@ -294,3 +294,16 @@ def test_save_total_limit_keeps_the_newest_and_the_resumed_checkpoint(tiny_model
     proc = soup(["train", "-c", str(limited)])
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-5", "checkpoint-6"]
+
+
+def test_save_total_limit_is_refused_where_it_is_not_honoured(tiny_model: Path, tmp_path: Path, soup) -> None:
+    from soup_core.plugins import load_plugins
+
+    if "mlx" not in dict(load_plugins().backends.items()):
+        pytest.skip("soup-plugin-mlx is not installed")
+    config = make_config(tmp_path, tiny_model, save_steps=1, save_total_limit=2)
+    refused = soup(["train", "-c", str(config), "--backend", "mlx", "--dry-run"])
+    assert refused.returncode == 1
+    assert "training.save_total_limit: not honoured by backend 'mlx' with task 'sft'" in refused.stderr
+    # control: the transformers backend takes the same config
+    assert soup(["train", "-c", str(config), "--dry-run"]).returncode == 0
