@@ -210,6 +210,21 @@ def test_ctrl_c_checkpoints_and_exits_130(tiny_model: Path, tmp_path: Path, soup
     assert [r["status"] for r in runs(soup_home)] == ["interrupted"]
 
 
+def test_sigterm_to_a_two_process_run_checkpoints_on_every_rank_at_one_step(tiny_model: Path, tmp_path: Path,
+                                                                            soup_home: Path) -> None:
+    # a scheduler signals the launcher (soup train --nproc 2); every rank must stop after the same step
+    config = make_config(tmp_path, tiny_model, max_steps=100_000)
+    proc = popen_soup(["train", "-c", str(config), "--nproc", "2"], soup_home)
+    wait_for_step(proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 143 and "Traceback" not in err, err
+    [checkpoint] = list((tmp_path / "out").glob("checkpoint-*"))
+    assert {p.name for p in checkpoint.glob("rng_state*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    assert f"--nproc 2 --resume {checkpoint}" in err
+    assert [r["status"] for r in runs(soup_home)] == ["interrupted"]
+
+
 # ------------------------------------------------------------------------------ 4. resume finds its checkpoint
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,9 @@ def resume_command(config_path: Path, overrides: dict[str, Any], checkpoint: Pat
     import shlex
 
     parts = ["soup", "train", "--config", str(config_path)]
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        parts += ["--nproc", str(world)]
     for path, value in overrides.items():
         if path in _FLAGS:
             parts += [_FLAGS[path], str(value)]
@@ -319,10 +323,45 @@ def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int, overwrit
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "soup_core", "train", "--config", str(config_path), *(["--overwrite"] if overwrite else [])]
     print(f"Launching {nproc} processes (torchrun, run {env[RUN_ID_ENV]})", flush=True)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    got: list[int] = []
+    relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, got), daemon=True)
+    relay.start()
+
+    def forward(signum: int, frame: Any) -> None:
+        # a scheduler signals the launcher: torchrun passes it on to the ranks, which checkpoint and stop
+        got.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # Ctrl-C reached every process of the group: wait for the ranks' save
+                got.append(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    relay.join(timeout=10)
+    return 128 + got[0] if got else code
+
+
+def _relay_stderr(stream: Any, got: list[int]) -> None:
+    """Pass torchrun's stderr (the ranks' too) through, except torchrun's own traceback for the signal the
+    launcher forwarded: the ranks already said what happened and how to resume."""
+    skipping = False
+    for line in stream:
+        if got and line.startswith("Traceback (most recent call last)"):
+            skipping = True
+        if not skipping:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        elif "SignalException" in line and not line.startswith(" "):
+            skipping = False
 
 
 def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
