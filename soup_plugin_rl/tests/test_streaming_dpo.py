@@ -27,8 +27,8 @@ streaming_plugin = pytest.importorskip(
 pytestmark = pytest.mark.slow
 
 TASKS = ["dpo", "ipo", "bco"]
-#: dropout 0.1: trl's disable_dropout turns it off in both arms; eval at step 2 runs the no-grad policy too
-TRAINING = {"lora": {"r": 4, "alpha": 8, "dropout": 0.1}, "dtype": "float32", "max_steps": 3, "eval_steps": 2}
+#: eval at step 2 runs the no-grad policy too (training.lora.dropout is refused: trl turns dropout off)
+TRAINING = {"lora": {"r": 4, "alpha": 8}, "dtype": "float32", "max_steps": 3, "eval_steps": 2}
 DATA = {"val_split": 0.25}
 STREAM = {"stream_layers": True, "stream_source": "disk", "stream_buffers": 2}
 TIMING = ("runtime", "per_second")  # wall-clock numbers differ between any two runs

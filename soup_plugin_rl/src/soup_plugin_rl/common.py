@@ -121,3 +121,32 @@ def quiet_datasets() -> Iterator[None]:
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+#: trl's training metrics the tracker records for GRPO (a name ending in ``/`` covers its family).
+GRPO_METRICS = ("reward", "reward_std", "rewards/", "frac_reward_zero_std", "kl", "clip_ratio/",
+                "cispo_clip_ratio", "entropy")
+#: ... and for the preference tasks: the implicit rewards of each side, their margin, the pair accuracy.
+PREFERENCE_METRICS = ("rewards/",)
+
+
+def trl_step_metrics(trainer: Any, names: Sequence[str]) -> dict[str, float]:
+    """The mean of each of trl's training metrics in ``names`` over the values it appended since the last
+    call (one optimizer step), read from ``trainer._metrics["train"]`` before trl's own logging clears it.
+
+    trl replaces a metric's list when it logs; the list object itself is kept to tell a new list from an
+    old one that grew.
+    """
+    store = (getattr(trainer, "_metrics", None) or {}).get("train") or {}
+    seen: dict[str, tuple[Any, int]] = trainer.__dict__.setdefault("_soup_trl_seen", {})
+    out: dict[str, float] = {}
+    for key, values in list(store.items()):
+        if not any(key == n or (n.endswith("/") and key.startswith(n)) for n in names):
+            continue
+        before, count = seen.get(key, (None, 0))
+        new = list(values[count:] if before is values else values)
+        seen[key] = (values, len(values))
+        numbers = [float(v) for v in new if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if numbers:
+            out[key] = sum(numbers) / len(numbers)
+    return out

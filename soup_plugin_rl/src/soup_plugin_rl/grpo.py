@@ -125,7 +125,10 @@ class SoupGRPOMixin(LiveBeta):
         return out
 
     def soup_step_metrics(self) -> dict[str, float]:
-        return dict(getattr(self, "_soup_reward_stats", {}))
+        from soup_plugin_rl.common import GRPO_METRICS, trl_step_metrics
+
+        # trl's reward, its spread, KL and clip ratios: the curves an RL run is watched by, in the tracker
+        return {**trl_step_metrics(self, GRPO_METRICS), **getattr(self, "_soup_reward_stats", {})}
 
     # ------------------------------------------------------------------------------- the loss
 

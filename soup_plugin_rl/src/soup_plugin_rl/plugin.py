@@ -84,8 +84,10 @@ def _core_fields(task: type[RLTask]) -> frozenset[str]:
     from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     # Preference and GRPO examples are built by trl from the rows: there is no response-only switch and no
-    # packing.
-    fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing"}
+    # packing. Every task here trains with trl's disable_dropout (the policy and its reference must score a
+    # sequence alike), which turns the LoRA dropout off too: a dropout set in the config is refused, not
+    # accepted and then switched off.
+    fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing", "training.lora.dropout"}
     if not task.honours_max_length:
         fields.discard("data.max_length")
     return frozenset(fields)
@@ -197,6 +199,16 @@ def preflight_lines(config: Any) -> PreflightReport | None:
         f"{t.max_completion_length} tokens; β = {t.beta}; {t.grpo_iterations} pass(es) per generation",
         "rewind: off (GRPO reports no per-row losses)",
     ]
+    import os
+
+    from soup_plugin_rl.variants import identical_variant
+
+    # the launcher sets WORLD_SIZE (as for the ranks) while it checks a --nproc run
+    same = identical_variant(plan.variant.name, iterations=int(t.grpo_iterations),
+                             grad_accum=int(t.gradient_accumulation_steps),
+                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if same:  # printed once, in the plan: comparing such variants compares one run with itself
+        lines.append(same)
     return PreflightReport(title, lines)
 
 

@@ -133,6 +133,12 @@ class PreferenceRows(LiveBeta):
         finally:
             self._rl_capturing, self._rl_outputs, self._rl_inputs = False, [], None
 
+    def soup_step_metrics(self) -> dict[str, float]:
+        from soup_plugin_rl.common import PREFERENCE_METRICS, trl_step_metrics
+
+        # the implicit rewards of both sides and their margin, as trl measured them this step
+        return {**super().soup_step_metrics(), **trl_step_metrics(self, PREFERENCE_METRICS)}
+
     def soup_row_losses(self, output, n_rows, labels, token_slot):
         # the loss is not the token cross-entropy: each pair's own loss, from the forwards of this step
         losses, tokens = self.rl_row_losses(self._rl_inputs, self._rl_outputs)

@@ -350,3 +350,34 @@ SEAM_FORMULAS: dict[str, Callable[[SeamBatch, Variant, float, Mapping[str, Any]]
     "cispo": cispo_loss,
     "sapo": sapo_loss,
 }
+
+
+#: Variants whose gradient is the same as another's while the policy ratio r is 1 (one pass per generation:
+#: trl then uses the policy's own detached log-probabilities as ``old``), by the formulas above: gspo's
+#: sequence ratio and sapo's soft gate (slope 1 at r = 1) give grpo's per-token A·∇lp with grpo's
+#: normalisation; cispo's detached weight min(r, 5) = 1 gives dapo's. No clip is active at r = 1.
+ON_POLICY_TWIN = {"gspo": "grpo", "sapo": "grpo", "cispo": "dapo"}
+
+
+def identical_variant(name: str, *, iterations: int, grad_accum: int, world_size: int) -> str | None:
+    """One line when variant ``name`` trains exactly as another at these settings, naming the setting that
+    makes them differ; None when it does not."""
+    if iterations != 1:
+        return None
+    twin = ON_POLICY_TWIN.get(name)
+    if twin is None and name in ("grpo", "dapo"):
+        twins = sorted(k for k, v in ON_POLICY_TWIN.items() if v == name)
+        which = f"variants {', '.join(twins)} have" if len(twins) > 1 else f"variant {twins[0]} has"
+        return (f"note: at training.grpo_iterations: 1 the ratio is 1 (on-policy), so {which} the same "
+                f"gradient as {name}; they differ only with grpo_iterations above 1")
+    if twin is not None:
+        when = " (once the ratio leaves dapo's clip range)" if name == "cispo" else ""
+        return (f"note: at training.grpo_iterations: 1 the ratio is 1 (on-policy), so variant {name} has the "
+                f"same gradient as {twin}; set training.grpo_iterations above 1 for the variants to "
+                f"differ{when}")
+    if name == "bnpo" and grad_accum == 1 and world_size == 1:
+        # bnpo divides by the micro-batch's completion tokens, dapo by the accumulated batch's: here the same
+        return ("note: with one micro-batch per step (training.gradient_accumulation_steps: 1, one process) "
+                "and training.grpo_iterations: 1, variant bnpo has the same gradient as dapo (and cispo); "
+                "raise gradient_accumulation_steps for the normalisations to differ")
+    return None
