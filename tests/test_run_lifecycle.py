@@ -258,19 +258,23 @@ def test_resume_latest_picks_the_newest_complete_checkpoint(tiny_model: Path, tm
 
 # ------------------------------------------------------------------------------ 5. no half-written files
 
-@pytest.mark.parametrize("where", [".soup-tmp-checkpoint-2", ".soup-tmp-final"])
-def test_a_full_disk_leaves_no_partial_folder_and_fails_the_run(tiny_model: Path, tmp_path: Path, soup_home: Path,
-                                                                where: str, soup, monkeypatch) -> None:
+@pytest.mark.parametrize(("where", "code"), [(".soup-tmp-checkpoint-2", "ENOSPC"), (".soup-tmp-final", "ENOSPC"),
+                                            (".soup-tmp-checkpoint-2", "EACCES")])
+def test_a_failed_write_leaves_no_partial_folder_and_fails_the_run(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                                where: str, code: str, soup, monkeypatch) -> None:
     import errno
 
     import peft.peft_model
+
+    number = getattr(errno, code)
+    reason = os.strerror(number)  # "No space left on device", "Permission denied"
 
     real_save = peft.peft_model.safe_save_file
 
     def full_disk(tensors, filename, *args, **kwargs):  # the writer peft saves an adapter with
         if where in str(filename):
             Path(filename).write_bytes(b"partial")  # what a full disk leaves: the start of the file
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+            raise OSError(number, reason, str(filename))
         return real_save(tensors, filename, *args, **kwargs)
 
     monkeypatch.setattr(peft.peft_model, "safe_save_file", full_disk)
@@ -279,11 +283,11 @@ def test_a_full_disk_leaves_no_partial_folder_and_fails_the_run(tiny_model: Path
     out = tmp_path / "out"
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     what = f"checkpoint {out / 'checkpoint-2'}" if "checkpoint" in where else f"the trained model to {out}"
-    assert f"could not save {what}: No space left on device ({out / where}/" in proc.stderr
+    assert f"could not save {what}: {reason} ({out / where}/" in proc.stderr
     assert not list(out.glob(".soup-tmp-*")) and not (out / "adapter_model.safetensors").exists()
     assert (out / "checkpoint-2").exists() == ("final" in where)  # a checkpoint before the failed save stays
     [run] = runs(soup_home)
-    assert run["status"] == "failed" and f"could not save {what}: No space left on device" in run["error"]
+    assert run["status"] == "failed" and f"could not save {what}: {reason}" in run["error"]
     # control: the same run with room on the disk writes both
     monkeypatch.setattr(peft.peft_model, "safe_save_file", real_save)
     ok = soup(["train", "-c", str(config), "--overwrite"])
