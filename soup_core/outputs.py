@@ -94,6 +94,13 @@ def _link_new(folder: Path, payload: dict[str, Any]) -> bool:
             os.link(tmp, folder / LOCK_NAME)  # atomic, and fails if the name exists (O_EXCL for a whole file)
         except FileExistsError:
             return False
+        except OSError:  # a filesystem without hard links: create it exclusively, then write it
+            try:
+                lock_fd = os.open(folder / LOCK_NAME, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(lock_fd, "w", encoding="utf-8") as handle:
+                json.dump(payload, handle)
         return True
     finally:
         with contextlib.suppress(FileNotFoundError):

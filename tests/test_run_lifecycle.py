@@ -133,6 +133,27 @@ def test_a_dead_processs_lock_is_taken_over_and_another_hosts_never(tiny_model: 
     assert json.loads(lock.read_text()) == elsewhere
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_the_lock_is_whole_and_exclusive_with_or_without_hard_links(tmp_path: Path, monkeypatch,
+                                                                     hard_links: bool) -> None:
+    from soup_core.outputs import OutputRefused, acquire_lock, read_lock, release_lock
+
+    if not hard_links:
+        def no_link(*args: object, **kwargs: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    assert acquire_lock(tmp_path, "run_a", note=print) is True
+    assert read_lock(tmp_path)["run_id"] == "run_a" and read_lock(tmp_path)["pid"] == os.getpid()
+    assert acquire_lock(tmp_path, "run_a", note=print) is False  # its own lock (a launcher's): not taken twice
+    with pytest.raises(OutputRefused, match="in use by run run_a"):
+        acquire_lock(tmp_path, "run_b", note=print)
+    release_lock(tmp_path, "run_b")  # another run's release leaves it
+    assert read_lock(tmp_path)["run_id"] == "run_a"
+    release_lock(tmp_path, "run_a")
+    assert read_lock(tmp_path) is None and not list(tmp_path.iterdir())  # no temp file left either
+
+
 # ------------------------------------------------------------------------------ 2. no mixing
 
 
