@@ -30,14 +30,14 @@ def fingerprint(folder: Path) -> str:
     return soup_core.build_training_list(data_section(), formats=formats, base_dir=folder).fingerprint
 
 
-def make_run(folder: Path, fp: str) -> Path:
+def make_run(folder: Path, fp: str, run_id: str = "run_test") -> Path:
     out = folder / "output"
-    out.mkdir()
+    out.mkdir(exist_ok=True)
     write_log(
         out / "rewind.jsonl",
         [(1, 0, [0, 1], [1.0, 1.0], [10, 10]), (2, 0, [4, 5], [1.0, 1.0], [10, 10]),
          (3, 0, [0, 1], [1.0, 1.0], [10, 10]), (4, 0, [2, 3], [1.0, 8.0], [10, 90])],
-        fingerprint=fp,
+        fingerprint=fp, run_id=run_id,
     )
     config = {"base": "tiny", "task": "sft", "output": "output", "data": data_section()}
     (out / "soup_config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -97,12 +97,13 @@ def test_preview_when_the_data_is_gone(rewind_cli, tmp_path: Path) -> None:
 
 def test_preview_through_the_tracker_config_from_another_folder(rewind_cli, tmp_path: Path) -> None:
     make_dataset(tmp_path)
-    out = make_run(tmp_path, fingerprint(tmp_path))
-    (out / "soup_config.yaml").unlink()
+    out = tmp_path / "output"
     config = {"base": "tiny", "task": "sft", "output": "output", "data": data_section()}
     run_id = soup_core.Tracker().start_run(
         name=None, task="sft", backend="transformers", base_model="tiny", config=config, output_dir=str(out)
     )
+    make_run(tmp_path, fingerprint(tmp_path), run_id=run_id)  # the log this run wrote
+    (out / "soup_config.yaml").unlink()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # data.train is relative to where the run started; found from the output folder, not the cwd

@@ -14,7 +14,8 @@ import typer
 
 EXIT_CODES = (
     "Exit codes: 0 a report was printed (with or without spikes); 1 nothing to report on (no runs, run "
-    "not found, no log, unreadable log, header only, --step with no records, a write that failed); "
+    "not found, no log or only another run's, unreadable log, header only, --step with no records, a write "
+    "that failed); "
     "2 usage errors and a refused --json / --plot-file / --write-data path."
 )
 
@@ -148,6 +149,12 @@ def run_report(
             previous = None
         if previous is not None and target.run_id in previous.run_ids:
             log = previous
+        else:  # the folder's log is another run's: reporting it as this run's would be a silent wrong answer
+            why = f" ({target.error.splitlines()[0]})" if target.error else ""
+            ended = f"; it {target.status}{why}" if target.status else ""
+            raise _Exit(1, f"run {target.run_id} recorded no rewind log of its own: {log.path} was written by "
+                        f"run {log.run_ids[-1]}{ended}. A run that ends before its first step records none; "
+                        f"soup rewind {log.run_ids[-1]} reports on the run that wrote it")
     if log.n_batches == 0:
         raise _Exit(
             1,
@@ -161,11 +168,6 @@ def run_report(
         err.print(f"note: {note}")
     if log.skipped.total:
         err.print(f"note: skipped {log.skipped.total} line(s) of {log.path.name}: {log.skipped.describe()}")
-    if target.run_id and log.run_ids and target.run_id not in log.run_ids:
-        err.print(
-            f"note: {log.path} was written by run {log.run_ids[0]}, not {target.run_id} "
-            "(a later run in the same folder?)"
-        )
     run_id = target.run_id or (log.run_ids[-1] if log.run_ids else None)
 
     # ---- spikes, and which step to detail

@@ -34,6 +34,8 @@ class Target:
     config: dict[str, Any] | None = None
     output_dir: Path | None = None  # the folder the log lies in
     searched: list[Path] = field(default_factory=list)
+    status: str = ""  # the run's status in the tracker (when asked for by run)
+    error: str = ""  # its recorded error, if it failed
 
 
 def _looks_like_path(ref: str) -> bool:
@@ -160,6 +162,8 @@ def from_run(ref: str) -> Target:
                 config=record.config or _saved_config(folder),
                 output_dir=folder,
                 searched=folders,
+                status=str(getattr(record, "status", "") or ""),
+                error=str(getattr(record, "error", "") or ""),
             )
     where = ", ".join(str(f) for f in folders) or "nowhere (the run recorded no output folder)"
     raise NotFound(

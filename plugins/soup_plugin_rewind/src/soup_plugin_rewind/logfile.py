@@ -243,7 +243,7 @@ def _batch_fields(obj: Any) -> tuple[int, list[int], list[Any], list[int]] | Non
         return None
     if not len(rows) == len(losses) == len(toks):
         return None
-    micro = obj.get("micro", 0)
+    micro = obj.get("micro")  # required: a batch line without its micro-batch index is corrupt
     if type(micro) is not int or micro < 0:
         return None
     for r, loss, t in zip(rows, losses, toks, strict=False):
@@ -365,7 +365,7 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
                         rows = obj["rows"]
                         losses = obj["row_loss"]
                         toks = obj["row_tokens"]
-                        micro = obj.get("micro", 0)
+                        micro = obj["micro"]  # required: without it the line is corrupt, not data
                     except KeyError:
                         skipped.corrupt += 1
                         continue
