@@ -276,3 +276,26 @@ def test_tokenising_a_large_data_set_says_how_far_it_is(tiny_model: Path, tmp_pa
     code, out = dry(cfg, soup_home)
     assert code == 0, out
     assert "tokenising the training rows: 256 of 600 rows" in out and "600 of 600 rows" in out, out
+
+
+# ------------------------------------------------------------------------------------ soup plugins list
+
+
+def test_plugins_list_is_readable_at_80_columns_and_marks_a_task_that_cannot_run(tmp_path: Path) -> None:
+    import json
+
+    from soup_core.testing import run_soup
+
+    env = {"SOUP_HOME": str(tmp_path / "home"), "COLUMNS": "80"}
+    shown = run_soup(["plugins", "list"], env=env)
+    assert shown.returncode == 0, shown.stderr
+    table = shown.stdout.split("└")[0].splitlines()
+    assert max(len(line) for line in table) <= 80 and "…" not in shown.stdout, shown.stdout
+    listing = json.loads(run_soup(["plugins", "list", "--json"], env=env).stdout)
+    names = {p["name"] for p in listing["plugins"]}
+    if "rl" in names:  # the task that cannot run is marked where its plugin says "ok"
+        assert "ppo (unavailable)" in shown.stdout and "grpo (unavailable)" not in shown.stdout
+        assert "reward_hack_*" in shown.stdout  # a family of fields shown once, with its count
+        # control: nothing is lost, the JSON keeps every full name
+        rl = next(p for p in listing["plugins"] if p["name"] == "rl")
+        assert "training.reward_hack_mitigation" in rl["provides"]["config fields"]

@@ -108,7 +108,7 @@ def test_dry_run_prints_how_the_variant_runs(tmp_path, dry_run, tiny_model):
 def test_ppo_is_listed_unavailable_with_the_reason(tmp_path, dry_run):
     rows = [{"prompt": "Q?", "answer": "4"}] * 4
     code, out = dry_run(_write(tmp_path, {"task": "ppo"}, rows))
-    assert code == 1 and "task 'ppo' (plugin 'rl') failed probe" in out and "PPOTrainer" in out, out
+    assert code == 1 and "task 'ppo' (plugin 'rl') is unavailable" in out and "PPOTrainer" in out, out
 
 
 def test_plugins_list_check_reports_ppo_and_the_variants():

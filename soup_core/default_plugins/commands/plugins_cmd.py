@@ -42,17 +42,22 @@ def list_plugins(
 
     from soup_core.ui import console
 
+    # three columns, the distribution under the plugin's name: at 80 columns "provides" keeps half the width,
+    # and a long name folds onto the next line instead of being cut to "training.reward_hac…"
     table = Table(title="Soup plugins", show_lines=False)
-    for column in ("plugin", "distribution", "status", "provides"):
-        table.add_column(column)
+    table.add_column("plugin", overflow="fold", max_width=26)
+    table.add_column("status")
+    table.add_column("provides", overflow="fold", ratio=1)
     styles = {"ok": "green", "unavailable": "yellow", "failed": "red", "disabled": "dim"}
     for info in infos:
         name = Text(info.name + (" (built-in)" if info.builtin else ""))
-        provides = "; ".join(f"{kind}: {', '.join(names)}" for kind, names in info.provides.items())
+        name.append(f"\n{info.distribution} {info.version}", style="dim")
+        provides = "; ".join(f"{kind}: {_names(kind, names, plugins.unavailable_scopes)}"
+                             for kind, names in info.provides.items())
         if info.details:
             provides = (provides + "; " if provides else "") + "; ".join(info.details)
         status = Text(info.status, style=styles.get(info.status, ""))
-        table.add_row(name, Text(f"{info.distribution} {info.version}"), status, Text(provides))
+        table.add_row(name, status, Text(provides))
     console.print(table)
     # reasons go below the table, one plain line each, so they are never cut by a narrow terminal
     for info in infos:
@@ -62,3 +67,30 @@ def list_plugins(
     for scope, (plugin, result) in plugins.unavailable_scopes.items():
         console.print(Text(f"{scope} (plugin {plugin}) is unavailable: {result.reason}"
                            + (f" — fix: {result.fix}" if result.fix else "")))
+
+
+def _names(kind: str, names: list[str], unavailable: dict) -> str:
+    """A plugin's names of one kind, short: config fields grouped by their section (``training.{a, b}``),
+    a task or backend that cannot run marked ``(unavailable)``."""
+    if kind == "config fields":
+        sections: dict[str, list[str]] = {}
+        for name in names:
+            head, _, leaf = name.rpartition(".")
+            sections.setdefault(head, []).append(leaf)
+        return ", ".join(f"{head}.{{{_leaves(leaves)}}}" if head and len(leaves) > 1 else
+                         (f"{head}.{leaves[0]}" if head else leaves[0]) for head, leaves in sections.items())
+    scope = {"tasks": "task", "backends": "backend"}.get(kind)
+    return ", ".join(f"{n} (unavailable)" if scope and f"{scope}:{n}" in unavailable else n for n in names)
+
+
+def _leaves(leaves: list[str]) -> str:
+    """Leaf names, a family of four or more sharing two words (``reward_hack_*``) shown once with its count
+    (the full names: ``soup plugins list --json``)."""
+    families: dict[str, list[str]] = {}
+    for leaf in leaves:
+        parts = leaf.split("_")
+        families.setdefault("_".join(parts[:2]) if len(parts) > 2 else leaf, []).append(leaf)
+    shown: list[str] = []
+    for prefix, members in families.items():
+        shown += [f"{prefix}_* ({len(members)})"] if len(members) >= 4 else members
+    return ", ".join(shown)

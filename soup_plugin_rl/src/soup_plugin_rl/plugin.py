@@ -128,7 +128,15 @@ def soup_register_support() -> list[Support]:
 def soup_register_probes() -> list[Probe]:
     checks = [Probe("trl installed", _trl_present)]
     checks += [Probe(f"trl {t.name}", t.probe, deep=True, scope=f"task:{t.name}") for t in TASKS]
+    # cheap, so that `soup plugins list` marks ppo as unavailable without --check
+    checks.append(Probe("ppo driver", _no_ppo_driver, scope="task:ppo"))
     return checks
+
+
+def _no_ppo_driver() -> ProbeResult:
+    reason = ("soup-plugin-rl 0.1 has no PPO driver: trl's PPOTrainer needs a reward model and a value "
+              "model, which no config field names yet")
+    return ProbeResult(False, reason, "use task grpo (no value model needed)")
 
 
 def _trl_present() -> ProbeResult:
