@@ -125,18 +125,7 @@ def acquire_lock(folder: Path, run_id: str, *, note: Callable[[str], None] = pri
         if info.get("run_id") == run_id:
             return False
         lock = folder / LOCK_NAME
-        if not info:
-            raise OutputRefused(
-                f"output folder {folder} has a lock file Soup cannot read ({lock}); if no run is writing "
-                f"there, delete {lock} and run again"
-            )
-        if not _holder_gone(info):
-            where = ("" if info.get("host") == host_name() else
-                     f"; Soup cannot check a process of another host: if that run is over, delete {lock}")
-            raise OutputRefused(
-                f"output folder {folder} is in use by {_holder(info)}{where}. Wait for it to finish, or "
-                "train into another folder (--output)"
-            )
+        _refuse_if_held(folder, info)
         # the holder is gone: move its lock aside under a name of our own, so two takers cannot both win
         stale = folder / f"{LOCK_NAME}.stale.{os.getpid()}"
         try:
@@ -152,6 +141,23 @@ def acquire_lock(folder: Path, run_id: str, *, note: Callable[[str], None] = pri
         stale.unlink(missing_ok=True)
         note(f"taking over the lock of output folder {folder}: {_holder(info)} is no longer running")
     raise OutputRefused(f"output folder {folder}: could not take its lock ({folder / LOCK_NAME}); try again")
+
+
+def _refuse_if_held(folder: Path, info: dict[str, Any]) -> None:
+    """Raise OutputRefused unless the lock ``info`` read from ``folder`` is known to be a dead process's."""
+    lock = folder / LOCK_NAME
+    if not info:
+        raise OutputRefused(
+            f"output folder {folder} has a lock file Soup cannot read ({lock}); if no run is writing "
+            f"there, delete {lock} and run again"
+        )
+    if not _holder_gone(info):
+        where = ("" if info.get("host") == host_name() else
+                 f"; Soup cannot check a process of another host: if that run is over, delete {lock}")
+        raise OutputRefused(
+            f"output folder {folder} is in use by {_holder(info)}{where}. Wait for it to finish, or "
+            "train into another folder (--output)"
+        )
 
 
 def read_lock_file(path: Path) -> dict[str, Any] | None:
@@ -240,6 +246,40 @@ def write_manifest(
         {"run_id": run_id, "status": status, **(extra or {}), "artefacts": sorted(changed)}, indent=1))
 
 
+def _mixed(folder: Path, *, overwrite: bool, resuming: bool) -> list[str]:
+    """Another run's files in ``folder`` that ``overwrite`` is to remove ([] when there are none, or the run
+    resumes from there); raises OutputRefused when they are there and neither holds."""
+    found = artefacts(folder)
+    # a run that failed before training wrote only its config and manifest: nothing there to mix with
+    if not set(found) - {"soup_config.yaml", MANIFEST_NAME} or (resuming and not overwrite):
+        return []
+    if overwrite:
+        return found
+    from soup_core.checkpoints import newest_checkpoint
+
+    resume = f", --resume {folder} to continue that run" if newest_checkpoint(folder) else ""
+    raise OutputRefused(
+        f"output folder {folder} already holds another run's files ({describe(folder, found)}). "
+        f"Pass --overwrite to remove them first{resume}, or train into another folder (--output)"
+    )
+
+
+def resumes_into(folder: Path, resume_from: str | os.PathLike[str] | None) -> bool:
+    """Whether the checkpoint a run resumes from lies in its output folder (so that folder's files are its own)."""
+    return bool(resume_from) and folder.resolve() in Path(resume_from).resolve().parents
+
+
+def check_free(folder: Path, *, overwrite: bool, resuming: bool) -> None:
+    """Raise OutputRefused for what :func:`claimed` would refuse, taking and changing nothing (``--dry-run``
+    and the ``--nproc`` launcher check it before any process starts; rank 0's claim stays the authority)."""
+    if not folder.is_dir():
+        return
+    info = read_lock(folder)
+    if info is not None:
+        _refuse_if_held(folder, info)
+    _mixed(folder, overwrite=overwrite, resuming=resuming)
+
+
 @contextlib.contextmanager
 def claimed(
     folder: Path, run_id: str, *, overwrite: bool, resuming: bool, note: Callable[[str], None] = print
@@ -249,20 +289,10 @@ def claimed(
     Yields a dict whose items the manifest also records (the run's final step, say)."""
     took = acquire_lock(folder, run_id, note=note)
     try:
-        # a run that failed before training wrote only its config and manifest: nothing there to mix with
-        found = artefacts(folder)
-        existing = found if set(found) - {"soup_config.yaml", MANIFEST_NAME} else []
-        if existing and overwrite:
+        existing = _mixed(folder, overwrite=overwrite, resuming=resuming)
+        if existing:
             note(f"--overwrite: removed from {folder}: {describe(folder, existing)}")
             remove_artefacts(folder)
-        elif existing and not resuming:
-            from soup_core.checkpoints import newest_checkpoint
-
-            resume = f", --resume {folder} to continue that run" if newest_checkpoint(folder) else ""
-            raise OutputRefused(
-                f"output folder {folder} already holds another run's files ({describe(folder, existing)}). "
-                f"Pass --overwrite to remove them first{resume}, or train into another folder (--output)"
-            )
         before = _snapshot(folder)
     except BaseException:
         if took:

@@ -198,12 +198,11 @@ def execute(
 
     try:
         if rank == 0:
-            from soup_core.outputs import claimed
+            from soup_core.outputs import claimed, resumes_into
             from soup_core.tracker import new_run_id
 
             start_kwargs["run_id"] = rid = run_id or new_run_id()
-            resume = config.training.resume_from
-            resuming = bool(resume) and plan.output_dir.resolve() in Path(resume).resolve().parents
+            resuming = resumes_into(plan.output_dir, config.training.resume_from)
             with claimed(plan.output_dir, rid, overwrite=overwrite, resuming=resuming, note=report) as claim:
                 summary = _execute_rank0(tracker, start_kwargs, _train)
                 claim.update(status=summary.get("status") or "completed", steps=summary.get("steps"),

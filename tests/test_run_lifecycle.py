@@ -169,6 +169,13 @@ def test_no_stale_adapter_beside_a_full_model(tiny_model: Path, tmp_path: Path, 
     (out / "notes.txt").write_text("mine")
     refused = soup(["train", "-c", str(config)])
     assert refused.returncode == 1 and "--overwrite" in refused.stderr and "adapter_config.json" in refused.stderr
+    # the dry run and the --nproc launcher say so before any process starts; with --overwrite the plan passes
+    for extra in (["--dry-run"], ["--nproc", "2"]):
+        early = soup(["train", "-c", str(config), *extra])
+        assert early.returncode == 1 and "already holds another run's files" in early.stderr
+        assert "Launching" not in early.stdout
+    assert soup(["train", "-c", str(config), "--dry-run", "--overwrite"]).returncode == 0
+    assert (out / "adapter_config.json").exists()  # a dry run removes nothing
     full = write_yaml(tmp_path / "full.yaml", {**__import__("yaml").safe_load(config.read_text()),
                                                 "training": {"max_steps": 1, "batch_size": 2, "lora": {"r": 0}}})
     done = soup(["train", "-c", str(full), "--overwrite", "--lr", "0.01"])

@@ -199,6 +199,14 @@ def run_train_command(
     if plan.finished:
         console.print(escape(plan.finished))
         return 0
+    if dry_run or nproc > 1:  # what rank 0's claim of the output folder would refuse, before any process starts
+        from soup_core.outputs import OutputRefused, check_free, resumes_into
+
+        try:
+            check_free(plan.output_dir, overwrite=overwrite,
+                       resuming=resumes_into(plan.output_dir, config.training.resume_from))
+        except OutputRefused as exc:
+            return fail(str(exc))
     if nproc > 1 and not dry_run:
         return launch(config_path, overrides=overrides, nproc=nproc, overwrite=overwrite)
     from soup_core.run import dist_env
