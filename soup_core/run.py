@@ -189,12 +189,20 @@ def execute(
         )
         backend = plugins.backends[config.backend]()
         try:
-            return dict(backend.train(context) or {})
+            result = dict(backend.train(context) or {})
         except (RunStopped, KeyboardInterrupt, DataError):  # bad data is the user's to fix, not the backend's
             raise
         except Exception as exc:  # a backend fails loudly, with its plugin named
             owner = plugins.backends.owner(config.backend)
             raise RuntimeError(f"backend {config.backend!r} (plugin {owner!r}): {type(exc).__name__}: {exc}") from exc
+        if rank == 0:  # after the backend saved the model: the card replaces PEFT's and trl's boilerplate
+            from soup_core import __version__
+            from soup_core.model_card import run_card, write_card
+
+            write_card(plan.output_dir, run_card(
+                config=config_dict, data=plan.data, run_id=run_id, losses=tracker.loss_summary(run_id),
+                status=str(result.get("status") or "completed"), version=__version__))
+        return result
 
     try:
         if rank == 0:

@@ -299,3 +299,47 @@ def test_plugins_list_is_readable_at_80_columns_and_marks_a_task_that_cannot_run
         # control: nothing is lost, the JSON keeps every full name
         rl = next(p for p in listing["plugins"] if p["name"] == "rl")
         assert "training.reward_hack_mitigation" in rl["provides"]["config fields"]
+
+
+# ------------------------------------------------------------------------------------------ model card
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_every_output_has_a_model_card_that_says_something(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                            lora_r: int) -> None:
+    import os
+
+    from soup_core import __version__
+    from soup_core.data import fingerprint_rows
+    from soup_core.tracker import Tracker
+
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(6)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = write_yaml(tmp_path / "soup.yaml", {  # lora r 0: a full fine-tune gets the same card
+        "base": str(tiny_model), "output": str(tmp_path / "out"), "data": {"train": "train.jsonl", "max_length": 32},
+        "training": {"max_steps": 2, "batch_size": 2, "lora": {"r": lora_r}},
+    })
+    result = soup(["train", "-c", str(cfg)], soup_home)
+    assert result.exit_code == 0, result.output
+    run = Tracker().list_runs()[0]
+    out = Path(run.output_dir)
+    card = (out / "README.md").read_text()
+    losses = Tracker().loss_summary(run.run_id)
+    assert card.startswith(f'---\nbase_model: "{tiny_model}"\nlibrary_name: {"peft" if lora_r else "transformers"}\n')
+    for expected in (f"run id: `{run.run_id}`", "task `sft`, backend `transformers`", f"Soup {__version__}",
+                     f"`{fingerprint_rows(rows)[:16]}` | 6 | 0 |", f"final loss: {losses['last']:.4f}",
+                     f"best loss: {losses['min']:.4f}", "## Config", "max_length: 32"):
+        assert expected in card, expected
+    assert "More Information Needed" not in card  # control: PEFT's boilerplate is what was there before
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "README.md").stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file, not 0600
+    if lora_r == 0:
+        return
+    merged = tmp_path / "merged"
+    result = soup(["merge", str(out), "-o", str(merged)], soup_home)
+    assert result.exit_code == 0, result.output
+    merged_card = (merged / "README.md").read_text()
+    assert "library_name: transformers" in merged_card and "## Merge" in merged_card
+    assert f"run id: `{run.run_id}`" in merged_card  # the run's card carried over
+    assert merged.stat().st_mode & 0o777 == out.stat().st_mode & 0o777  # not mkdtemp's 0700

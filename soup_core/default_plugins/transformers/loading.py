@@ -242,6 +242,16 @@ def merge_adapter(
         try:
             merged.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
+            from soup_core import __version__
+            from soup_core.model_card import CARD, merged_card, write_card
+
+            card = adapter / CARD
+            write_card(tmp, merged_card(card.read_text(encoding="utf-8") if card.is_file() else None,
+                                        base=str(base), adapter=adapter, version=__version__))
+            # mkdtemp makes the folder 0700; the merged model is an output like any other
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o777 & ~mask)
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)
