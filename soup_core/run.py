@@ -170,9 +170,16 @@ def execute(
         events = RunEvents(recorders=recorders, controllers=controllers, report=report)
 
         def load_model() -> Any:
+            import time
+
+            started = time.monotonic()
+            if rank == 0:  # loading a real model takes seconds to minutes: say what is happening
+                report(f"loading the model {config.base} ...")
             loaded, by = plugins.call_load_model(config=config, backend=config.backend, task=task)
             if not getattr(loaded, "loaded_by", ""):
                 loaded.loaded_by = by
+            if rank == 0 and time.monotonic() - started >= 2:
+                report(f"loaded in {time.monotonic() - started:.0f} s")
             return loaded
 
         def log_metrics(step: int, metrics: Mapping[str, float]) -> None:

@@ -52,6 +52,9 @@ def test_every_answer_beyond_max_length_fails_instead_of_training_nothing(tiny_m
     result = soup(["train", "-c", str(cfg)], soup_home)
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "Done." in result.stdout
+    # loading says so before it starts (a real model takes a while); the dry run loads none and says nothing
+    assert result.stdout.index("loading the model") < result.stdout.index("step 2/2")
+    assert "loading the model" not in soup(["train", "-c", str(cfg), "--dry-run"], soup_home).stdout
 
 
 @pytest.mark.parametrize("on_bad_row", ["error", "skip"])
@@ -339,6 +342,7 @@ def test_every_output_has_a_model_card_that_says_something(tiny_model: Path, tmp
     merged = tmp_path / "merged"
     result = soup(["merge", str(out), "-o", str(merged)], soup_home)
     assert result.exit_code == 0, result.output
+    assert "merging: loading" in result.stdout  # said before the slow part starts
     merged_card = (merged / "README.md").read_text()
     assert "library_name: transformers" in merged_card and "## Merge" in merged_card
     assert f"run id: `{run.run_id}`" in merged_card  # the run's card carried over

@@ -55,6 +55,8 @@ def merge(
         fail(problem + ("" if base != recorded else "; if the base moved, pass --base with its new place"))
     from soup_core.default_plugins.transformers.loading import BackendError, merge_adapter
 
+    console.print(f"merging: loading {escape(str(base))} in fp32, adding the adapter, saving to "
+                  f"{escape(str(output))} ...")
     try:
         out = merge_adapter(base, adapter, output)
     except (BackendError, OSError, ValueError) as exc:
