@@ -52,4 +52,5 @@ REFUSED_REASONS: dict[str, str] = {
     "training.quantization": "bitsandbytes 4/8-bit quantisation does not exist in MLX",
     "training.bnb_4bit_use_double_quant": "bitsandbytes 4/8-bit quantisation does not exist in MLX",
     "training.report_to": "tensorboard/wandb/mlflow reporting belongs to the transformers Trainer",
+    "training.save_total_limit": "the mlx trainer keeps every checkpoint it writes (it deletes none)",
 }
