@@ -7,12 +7,21 @@ import tempfile
 from pathlib import Path
 
 
+def umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike[str], data: str | bytes, *, encoding: str = "utf-8") -> Path:
-    """Write ``data`` to ``path`` atomically: readers see the old file or the new one, never a part."""
+    """Write ``data`` to ``path`` atomically: readers see the old file or the new one, never a part. The file
+    gets the permissions of any file the process creates (``mkstemp`` alone would make it 0600)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data.encode(encoding) if isinstance(data, str) else data)
             handle.flush()

@@ -9,7 +9,6 @@ whole (temp file, then rename) with the permissions of any file the process crea
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,19 +16,11 @@ from typing import Any
 CARD = "README.md"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def write_card(folder: Path, text: str) -> Path:
-    """``folder/README.md`` written whole, readable as any other output (``mkstemp`` alone makes it 0600)."""
+    """``folder/README.md`` written whole, readable as any other output."""
     from soup_core.io import atomic_write
 
-    path = atomic_write(Path(folder) / CARD, text)
-    os.chmod(path, 0o666 & ~_umask())
-    return path
+    return atomic_write(Path(folder) / CARD, text)
 
 
 def _num(value: Any) -> str:

@@ -347,3 +347,17 @@ def test_every_output_has_a_model_card_that_says_something(tiny_model: Path, tmp
     assert "library_name: transformers" in merged_card and "## Merge" in merged_card
     assert f"run id: `{run.run_id}`" in merged_card  # the run's card carried over
     assert merged.stat().st_mode & 0o777 == out.stat().st_mode & 0o777  # not mkdtemp's 0700
+
+
+def test_atomic_write_gives_a_file_the_process_s_usual_permissions(tmp_path) -> None:
+    import os
+    import tempfile
+
+    from soup_core.io import atomic_write, umask
+
+    written = atomic_write(tmp_path / "soup.yaml", "base: m\n")
+    assert written.read_text() == "base: m\n" and written.stat().st_mode & 0o777 == 0o666 & ~umask()
+    # control: the temp file it starts from is private, so the mode above is atomic_write's doing
+    fd, private = tempfile.mkstemp(dir=tmp_path)
+    os.close(fd)
+    assert os.stat(private).st_mode & 0o777 == 0o600 != 0o666 & ~umask()

@@ -249,9 +249,9 @@ def merge_adapter(
             write_card(tmp, merged_card(card.read_text(encoding="utf-8") if card.is_file() else None,
                                         base=str(base), adapter=adapter, version=__version__))
             # mkdtemp makes the folder 0700; the merged model is an output like any other
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(tmp, 0o777 & ~mask)
+            from soup_core.io import umask
+
+            os.chmod(tmp, 0o777 & ~umask())
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)
