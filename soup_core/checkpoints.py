@@ -8,9 +8,10 @@ only once everything, the state last, is written.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from soup_core.io import read_json_object
 
 STATE_NAME = "trainer_state.json"
 PREFIX = "checkpoint-"
@@ -65,11 +66,7 @@ def resolve_resume(value: str, output_dir: Path) -> Path:
 
 def read_state(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's ``trainer_state.json`` ({} when unreadable)."""
-    try:
-        state = json.loads((checkpoint / STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
+    return read_json_object(checkpoint / STATE_NAME) or {}
 
 
 def finished_at(checkpoint: Path, config: Any) -> int | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def umask() -> int:
@@ -34,3 +36,19 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, *, encoding: s
             pass
         raise
     return target
+
+
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The JSON object in the file at ``path``: None when there is no such file, ``{}`` when it cannot be read
+    or holds no JSON object (a half-written or foreign file reads as empty, never as an error)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}

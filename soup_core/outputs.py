@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from soup_core.io import read_json_object
+
 LOCK_NAME = ".soup.lock"
 MANIFEST_NAME = ".soup_run.json"
 #: Temp folders a save writes into before it renames (``.soup-tmp-checkpoint-7``): a leftover is an artefact.
@@ -55,17 +57,7 @@ def host_name() -> str:
 
 def read_lock(folder: Path) -> dict[str, Any] | None:
     """The lock's holder (``run_id``, ``pid``, ``host``, ...), None without a lock; ``{}`` if unreadable."""
-    try:
-        text = (folder / LOCK_NAME).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return {}
-    try:
-        info = json.loads(text)
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
+    return read_json_object(folder / LOCK_NAME)
 
 
 def _holder(info: dict[str, Any]) -> str:
@@ -132,7 +124,7 @@ def acquire_lock(folder: Path, run_id: str, *, note: Callable[[str], None] = pri
             os.rename(lock, stale)
         except FileNotFoundError:
             continue
-        moved = read_lock_file(stale)
+        moved = read_json_object(stale)
         if moved != info:  # we moved a newer lock than the one judged dead: put it back and look again
             with contextlib.suppress(OSError):
                 os.link(stale, lock)
@@ -160,14 +152,6 @@ def _refuse_if_held(folder: Path, info: dict[str, Any]) -> None:
         )
 
 
-def read_lock_file(path: Path) -> dict[str, Any] | None:
-    """A lock file's content, None when unreadable."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
 def release_lock(folder: Path, run_id: str) -> None:
     """Remove the lock if ``run_id`` holds it (never another run's)."""
     info = read_lock(folder)
@@ -179,19 +163,11 @@ def release_lock(folder: Path, run_id: str) -> None:
 # ------------------------------------------------------------------------------------------- artefacts
 
 
-def _manifest(folder: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def artefacts(folder: Path) -> list[str]:
     """The top-level names in ``folder`` that a previous run wrote (sorted); never the lock."""
     if not folder.is_dir():
         return []
-    listed = {str(n) for n in _manifest(folder).get("artefacts", []) if isinstance(n, str)}
+    listed = {str(n) for n in read_manifest(folder).get("artefacts", []) if isinstance(n, str)}
     found = []
     for entry in folder.iterdir():
         name = entry.name
@@ -205,7 +181,7 @@ def artefacts(folder: Path) -> list[str]:
 def describe(folder: Path, names: list[str], limit: int = 6) -> str:
     """``a, b, c and 4 more``, plus the run that wrote them when its manifest says."""
     shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-    run = _manifest(folder).get("run_id")
+    run = read_manifest(folder).get("run_id")
     return shown + (f"; written by run {run}" if run else "")
 
 
@@ -228,7 +204,7 @@ def _snapshot(folder: Path) -> dict[str, int]:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """What the last run in ``folder`` wrote about itself ({} when nothing): run id, status, artefacts, and
     for a finished run its ``steps``, ``max_steps`` and ``epochs``."""
-    return _manifest(folder)
+    return read_json_object(folder / MANIFEST_NAME) or {}
 
 
 def write_manifest(
@@ -239,7 +215,7 @@ def write_manifest(
 
     now = _snapshot(folder)
     changed = {n for n, t in now.items() if before.get(n) != t}
-    changed |= {str(n) for n in _manifest(folder).get("artefacts", []) if n in now}  # a resumed run adds
+    changed |= {str(n) for n in read_manifest(folder).get("artefacts", []) if n in now}  # a resumed run adds
     changed -= {LOCK_NAME, MANIFEST_NAME}
     changed = {n for n in changed if not n.startswith(f"{LOCK_NAME}.")}
     atomic_write(folder / MANIFEST_NAME, json.dumps(

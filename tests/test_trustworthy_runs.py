@@ -361,3 +361,14 @@ def test_atomic_write_gives_a_file_the_process_s_usual_permissions(tmp_path) -> 
     fd, private = tempfile.mkstemp(dir=tmp_path)
     os.close(fd)
     assert os.stat(private).st_mode & 0o777 == 0o600 != 0o666 & ~umask()
+
+
+def test_read_json_object_tells_a_missing_file_from_an_unreadable_one(tmp_path) -> None:
+    from soup_core.io import read_json_object
+
+    assert read_json_object(tmp_path / "nope.json") is None
+    for text in ("[1, 2]", '{"run_id": ', ""):  # a list, a half-written file, an empty one
+        (tmp_path / "bad.json").write_text(text, encoding="utf-8")
+        assert read_json_object(tmp_path / "bad.json") == {}
+    (tmp_path / "lock.json").write_text('{"run_id": "r1", "pid": 7}', encoding="utf-8")
+    assert read_json_object(tmp_path / "lock.json") == {"run_id": "r1", "pid": 7}
