@@ -151,6 +151,61 @@ def test_output_path_that_is_a_file(tiny_model: Path, tmp_path: Path, soup_home:
     assert code == 0, out
 
 
+@pytest.mark.parametrize("how", ["chmod", "read-only-mount"])
+def test_an_output_folder_that_cannot_be_written_is_refused_by_the_dry_run(tiny_model: Path, tmp_path: Path,
+                                                                           soup_home: Path, how: str) -> None:
+    import os
+    import shutil
+    import subprocess
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if how == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root writes through a folder's mode bits")
+        locked.chmod(0o555)
+        expected, undo = "this user may not write there", lambda: locked.chmod(0o755)
+    else:
+        mounted = shutil.which("mount") and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(locked)], capture_output=True)
+        if not mounted or mounted.returncode:
+            pytest.skip("mounting a read-only file system needs privileges this test lacks")
+        expected, undo = "it is on a read-only file system", lambda: subprocess.run(["umount", str(locked)])
+    try:
+        for output, where in ((locked / "run", f"{str(locked)!r}, where the output folder would be created"),
+                              (locked, "the output folder")):
+            cfg = chat_config(tmp_path, tiny_model, output=str(output))
+            code, out = dry(cfg, soup_home)
+            assert code == 1 and f"cannot write into {where}" in out and expected in out, out
+            assert "Errno" not in out and "Traceback" not in out
+        result = soup(["train", "-c", str(cfg)], soup_home)  # the run itself refuses it before loading a model
+        assert result.exit_code == 1 and expected in result.stderr, result.output
+        assert "loading the model" not in result.stdout
+    finally:
+        undo()
+    code, out = dry(chat_config(tmp_path, tiny_model, output=str(locked / "run")), soup_home)  # control
+    assert code == 0, out
+
+
+def test_the_dry_run_checks_resume_from(tiny_model: Path, tmp_path: Path, soup_home: Path, monkeypatch) -> None:
+    import json
+
+    cfg = chat_config(tmp_path, tiny_model, training={"max_steps": 2, "batch_size": 2,
+                                                      "resume_from": "out/checkpoint-1"})
+    monkeypatch.chdir(tmp_path.parent)  # the config's path is from its own folder, not the working directory
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    code, out = dry(cfg, soup_home)
+    assert code == 1 and f"no such folder {checkpoint}" in out and "Traceback" not in out, out
+    checkpoint.mkdir(parents=True)  # half written: weights without the trainer state written last
+    (checkpoint / "adapter_model.safetensors").write_bytes(b"half")
+    code, out = dry(cfg, soup_home)
+    assert code == 1 and "has no complete checkpoint-N folder" in out, out
+    # control: the same folder, complete, passes
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1, "max_steps": 2}))
+    code, out = dry(cfg, soup_home)
+    assert code == 0 and f"resume from: {checkpoint}" in out, out
+
+
 def test_a_json_array_in_a_jsonl_file_gets_a_hint(tiny_model: Path, tmp_path: Path, soup_home: Path) -> None:
     import json
 

@@ -91,13 +91,18 @@ def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
 
 def _from_config_folder(config: Any, folder: Path, overrides: dict[str, Any]) -> None:
     """Paths written in the config file are relative to the file's folder (data paths already resolve
-    there when the data is read): ``output``, and a ``base`` that is a relative path to a folder there."""
+    there when the data is read): ``output``, ``training.resume_from``, and a ``base`` that is a relative
+    path to a folder there."""
     if "output" not in overrides and not Path(os.path.expanduser(str(config.output))).is_absolute():
         config.output = str(folder / str(config.output))
     base = str(config.base)
     if "base" not in overrides and not Path(os.path.expanduser(base)).is_absolute():
         if base.startswith(("./", "../")) or (folder / base).is_dir():
             config.base = str((folder / base).resolve())
+    resume = config.training.resume_from
+    if ("training.resume_from" not in overrides and resume and resume != "latest"
+            and not Path(os.path.expanduser(resume)).is_absolute()):
+        config.training.resume_from = str(folder / resume)
 
 
 def _blame_options(exc: Any, overrides: dict[str, Any]) -> str:

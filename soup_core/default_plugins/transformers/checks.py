@@ -1,6 +1,7 @@
 """What the transformers backend can check before it loads any weights, so ``soup train --dry-run`` fails
 where the run would: the base (a model folder whose config and tokenizer load, or a hub id that is cached
-when offline), every ``training.report_to`` tracker (it imports), and an output path that runs into a file.
+when offline), every ``training.report_to`` tracker (it imports), and an output path that runs into a file or
+cannot be written.
 
 Each check returns None, or one message that says what is wrong, where, and how to fix it. Only the base's
 config and tokenizer are read, never its weights.
@@ -88,12 +89,24 @@ def report_to_problem(names: Iterable[str] | str | None) -> str | None:
 
 
 def output_problem(output_dir: Path, *, what: str = "output") -> str | None:
-    """None unless some part of ``output_dir`` is an existing file (the run could not create its folder)."""
+    """None unless the run could not create or write its output folder: some part of ``output_dir`` is an
+    existing file, or the folder (or its nearest existing parent) is not writable."""
     path = Path(output_dir)
     for part in [path, *path.parents]:
         if part.exists():
             if not part.is_dir():
                 return (f"{what}: {str(part)!r} is a file, so the output folder {str(path)!r} cannot be "
                         "created there; choose another output path (-o)")
-            return None
+            return _unwritable(part, path, what)
     return None
+
+
+def _unwritable(folder: Path, path: Path, what: str) -> str | None:
+    # os.access rather than a probe file: a dry run writes nothing (for root it sees only read-only mounts)
+    if os.access(folder, os.W_OK | os.X_OK):
+        return None
+    where = "the output folder" if folder == path else f"{str(folder)!r}, where the output folder would be created"
+    read_only = hasattr(os, "statvfs") and bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    why = "it is on a read-only file system" if read_only else "this user may not write there"
+    return (f"{what}: cannot write into {where} ({str(path)!r}): {why}; choose another output path (-o), "
+            "or fix its permissions")
