@@ -9,9 +9,11 @@ backends call it from their own loop.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -132,3 +134,31 @@ class RowProgress:
             yield row
         if said:
             self.report(f"{self.what}: {total:,} of {total:,} rows, {self.clock() - started:.0f} s")
+
+
+@contextlib.contextmanager
+def said_if_slow(what: str, report: Callable[[str], None], *, after: float | None = None) -> Iterator[None]:
+    """For one long call that cannot report its own progress (saving a model): say ``what ...`` once the
+    work inside has run ``after`` seconds (default :data:`SLOW_AFTER_S`), and ``what: done in N s`` when it
+    ends. Fast work says nothing; failed work says no ``done``."""
+    wait = SLOW_AFTER_S if after is None else after
+    started, said = time.monotonic(), threading.Event()
+
+    def say() -> None:
+        report(f"{what} ...")
+        said.set()
+
+    # a timer thread, because the slow call blocks this one until it returns
+    timer = threading.Timer(wait, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+    elapsed = time.monotonic() - started
+    if not said.is_set() and elapsed >= wait:  # the work ended before the timer thread got to run
+        say()
+    if said.is_set():
+        report(f"{what}: done in {elapsed:.0f} s")

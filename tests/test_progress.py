@@ -28,3 +28,27 @@ def test_eta_counts_only_the_steps_of_this_run_when_resumed() -> None:
 def test_format_eta() -> None:
     assert format_eta(3725.9) == "1:02:05"
     assert format_eta(-4) == "0:00:00"
+
+
+def test_said_if_slow_speaks_while_slow_work_runs_and_not_for_fast_work() -> None:
+    import time
+
+    import pytest
+
+    from soup_core.progress import said_if_slow
+
+    said: list[str] = []
+    with said_if_slow("saving x", said.append, after=0.05):
+        deadline = time.monotonic() + 5
+        while not said and time.monotonic() < deadline:  # the work is still running when it speaks
+            time.sleep(0.01)
+        assert said == ["saving x ..."]
+    assert said == ["saving x ...", "saving x: done in 0 s"]
+    quiet: list[str] = []  # control: work faster than `after` says nothing
+    with said_if_slow("saving y", quiet.append, after=30):
+        pass
+    assert quiet == []
+    failed: list[str] = []  # work that fails says no "done"
+    with pytest.raises(OSError), said_if_slow("saving z", failed.append, after=0.0):
+        raise OSError("disk full")
+    assert "saving z: done" not in " ".join(failed)

@@ -336,6 +336,23 @@ def test_tokenising_a_large_data_set_says_how_far_it_is(tiny_model: Path, tmp_pa
     assert "tokenising the training rows: 256 of 600 rows" in out and "600 of 600 rows" in out, out
 
 
+def test_saving_a_checkpoint_and_the_model_says_so_when_slow(tiny_model: Path, tmp_path: Path, soup_home: Path,
+                                                             monkeypatch) -> None:
+    import soup_core.progress
+
+    training = {"max_steps": 2, "batch_size": 2, "save_steps": 2}
+    result = soup(["train", "-c", str(chat_config(tmp_path, tiny_model, training=training))], soup_home)
+    assert result.exit_code == 0, result.output
+    assert "saving checkpoint" not in result.stdout and "saving the trained" not in result.stdout  # control: fast
+    monkeypatch.setattr(soup_core.progress, "SLOW_AFTER_S", 0.0)  # every save counts as slow
+    (tmp_path / "slow").mkdir()
+    result = soup(["train", "-c", str(chat_config(tmp_path / "slow", tiny_model, training=training))], soup_home)
+    assert result.exit_code == 0, result.output
+    out, final = result.stdout, f"saving the trained model to {tmp_path / 'slow' / 'out'}"
+    assert out.index("step 2/2") < out.index("saving checkpoint-2 ...") < out.index("saving checkpoint-2: done in")
+    assert out.index("saving checkpoint-2: done") < out.index(final + " ...") < out.index(final + ": done in"), out
+
+
 # ------------------------------------------------------------------------------------ soup plugins list
 
 

@@ -1,6 +1,7 @@
 """Checkpoints and the final model, never half-written: each is written into a temp folder beside its
 target (``.soup-tmp-...``) and renamed once whole. A failed write (disk full, no permission) names the
-folder and the reason, removes the temp folder, and fails the run with that message."""
+folder and the reason, removes the temp folder, and fails the run with that message. A save that takes
+longer than about two seconds says so (:func:`soup_core.progress.said_if_slow`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from soup_core.checkpoints import complete_checkpoints
 from soup_core.default_plugins.transformers.loading import BackendError
 from soup_core.outputs import TMP_PREFIX
+from soup_core.progress import said_if_slow
 
 _AFTER = "free space or fix the permissions, then resume from the last checkpoint (--resume latest)"
 
@@ -27,6 +29,12 @@ def reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _report(trainer: Any) -> Callable[[str], None]:
+    """The run's one-line reporter on the process that saves; silence on the others."""
+    soup = getattr(trainer, "_soup", None)
+    return soup.ctx.report if soup is not None and trainer.args.should_save else (lambda message: None)
+
+
 def save_checkpoint(trainer: Any, write: Callable[[], None], trial: Any) -> None:
     """Run the Trainer's own ``_save_checkpoint`` (``write``) with its output folder pointed at a temp
     folder, rename the result to ``checkpoint-N``, then prune to ``training.save_total_limit``."""
@@ -35,7 +43,8 @@ def save_checkpoint(trainer: Any, write: Callable[[], None], trial: Any) -> None
     staging, final = run_dir / f"{TMP_PREFIX}{name}", run_dir / name
     trainer._get_output_dir = lambda trial=None: str(staging)  # the seam _save_checkpoint writes under
     try:
-        write()
+        with said_if_slow(f"saving {name}", _report(trainer)):
+            write()
         trainer.accelerator.wait_for_everyone()  # every rank wrote its part (its RNG state) before the rename
         if trainer.args.should_save:
             if final.exists():  # the same step saved again: the new one wins
@@ -72,7 +81,8 @@ def save_final(trainer: Any, output_dir: Path) -> None:
     """``trainer.save_model`` into a temp folder, then each file renamed into ``output_dir``."""
     staging = output_dir / f"{TMP_PREFIX}final"
     try:
-        trainer.save_model(str(staging))
+        with said_if_slow(f"saving the trained model to {output_dir}", _report(trainer)):
+            trainer.save_model(str(staging))
         trainer.accelerator.wait_for_everyone()
         if trainer.args.should_save:
             for entry in sorted(staging.iterdir()):
