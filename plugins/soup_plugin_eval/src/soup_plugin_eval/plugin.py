@@ -13,6 +13,8 @@ SOUP_HOOK_API = (1, 1)
 
 @hookimpl
 def soup_register_commands() -> list[Command]:
+    from soup_plugin_eval.chat import CHAT_HELP, chat
     from soup_plugin_eval.cli import GENERATE_HELP, generate
 
-    return [Command(name="generate", target=generate, help=GENERATE_HELP)]
+    return [Command(name="generate", target=generate, help=GENERATE_HELP),
+            Command(name="chat", target=chat, help=CHAT_HELP)]
