@@ -292,7 +292,12 @@ def test_third_party_noise_is_gone_from_soup_commands(soup_home: Path, tmp_path:
 
     env = {"SOUP_HOME": str(soup_home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     doctor = run_soup(["doctor"], env=env, cwd=tmp_path)
-    assert NOISE not in doctor.stderr + doctor.stdout and "pip install kernels" not in doctor.stderr
+    assert NOISE not in doctor.stderr and "pip install kernels" not in doctor.stderr
+    # soup doctor reports what it hides and what that means, instead of only "all is well"
+    hidden = doctor.stdout.partition("Warnings Soup hides, and what they mean here")[2]
+    assert NOISE in hidden and "pip install kernels adds it" in hidden, doctor.stdout
+    assert "`is_gradient_checkpointing` is deprecated" in hidden and "peft and trl still read it" in hidden
+    assert doctor.returncode == 0 and "; 2 hidden warning(s) above." in doctor.stdout, doctor.stdout
     # control: bitsandbytes imported bare prints the line, and imported after Soup's transformers package
     # (which silences it) does not, so the silencing is what removes it
     def stderr_of(code: str) -> str:
@@ -301,6 +306,22 @@ def test_third_party_noise_is_gone_from_soup_commands(soup_home: Path, tmp_path:
 
     assert NOISE in stderr_of("import bitsandbytes")
     assert NOISE not in stderr_of("import soup_core.default_plugins.transformers, bitsandbytes")
+
+
+def test_doctor_lists_no_hidden_warning_where_none_is_given(soup_home: Path, monkeypatch) -> None:
+    import json
+
+    import bitsandbytes  # noqa: F401 - imported before the control clears what it logged
+    import transformers
+
+    from soup_core.default_plugins.transformers import noise
+
+    monkeypatch.setattr(noise, "DROPPED", [])  # a bitsandbytes whose CPU kernel loaded logs nothing
+    monkeypatch.setattr(transformers.PreTrainedModel, "is_gradient_checkpointing",
+                        property(lambda self: self.is_activation_checkpointing))  # a transformers without it
+    report = json.loads(soup(["doctor", "--json"], soup_home).stdout)
+    assert report["hidden_warnings"] == [], report["hidden_warnings"]
+    assert json.loads(soup(["doctor", "--json", "--quick"], soup_home).stdout)["hidden_warnings"] is None
 
 
 def test_the_transformers_future_warning_is_silenced(tiny_model: Path) -> None:

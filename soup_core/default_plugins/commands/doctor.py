@@ -4,7 +4,9 @@ It reports the Python and the platform; the devices (CUDA with bf16 asked withou
 CPU); every installed soup distribution and plugin with its probe results; and every dependency that
 soup-core and the plugins declare, read from their *installed* metadata (``importlib.metadata``), never
 from a second, hand-kept copy, checked against the installed version. It exits 1 when a required
-dependency is missing or out of range, and prints the ``pip install`` line that fixes all of them.
+dependency is missing or out of range, and prints the ``pip install`` line that fixes all of them. Unless
+``--quick``, it also lists the third-party warnings Soup hides that this installation gives, and what each means
+(:func:`soup_core.default_plugins.transformers.noise.hidden_warnings`).
 
 Which dependencies are required: a distribution's plain ``Requires-Dist``; those of an extra that another
 installed soup distribution asks for (``soup-plugin-streaming`` requires ``soup-core[train]``, so torch is
@@ -261,6 +263,8 @@ class DoctorReport:
     plugins: list[dict[str, Any]]
     unavailable: dict[str, Any]
     dependencies: list[DependencyCheck] = field(default_factory=list)
+    #: third-party warnings Soup hides that this installation gives (None: not checked, --quick)
+    hidden_warnings: list[dict[str, str]] | None = None
 
     @property
     def failed(self) -> list[DependencyCheck]:
@@ -277,6 +281,7 @@ class DoctorReport:
             "unavailable": self.unavailable,
             "dependencies": [{**asdict(c), "extras": list(c.extras)} for c in self.dependencies],
             "fix": fix_command(self.dependencies),
+            "hidden_warnings": self.hidden_warnings,
         }
 
 
@@ -292,8 +297,12 @@ def build_report(*, deep: bool = True, devices: bool = True) -> DoctorReport:
         for d in soup_distributions()
     ]
     plugins = load_plugins()
+    hidden = None
     if deep:
         plugins.deep_check()
+        from soup_core.default_plugins.transformers.noise import hidden_warnings
+
+        hidden = hidden_warnings()
     return DoctorReport(
         python={"version": platform.python_version(), "implementation": platform.python_implementation(),
                 "executable": sys.executable},
@@ -305,6 +314,7 @@ def build_report(*, deep: bool = True, devices: bool = True) -> DoctorReport:
         unavailable={scope: {"plugin": plugin, "reason": result.reason, "fix": result.fix or None}
                      for scope, (plugin, result) in plugins.unavailable_scopes.items()},
         dependencies=check_dependencies(),
+        hidden_warnings=hidden,
     )
 
 
@@ -372,9 +382,16 @@ def print_report(report: DoctorReport) -> None:
         say(f"  {dependent}")
         for c in checks:
             _say_check(say, c)
+    if report.hidden_warnings:
+        say("\nWarnings Soup hides, and what they mean here", "bold")
+        for w in report.hidden_warnings:
+            say(f"  {w['source']}: {w['hidden']}", "yellow")
+            say(f"      {w['matters']}")
     failed = report.failed
     if not failed:
-        say("\nEvery required dependency is installed and in range.", "green")
+        say("\nEvery required dependency is installed and in range"
+            + (f"; {len(report.hidden_warnings)} hidden warning(s) above." if report.hidden_warnings else "."),
+            "green")
         return
     say(f"\n{len(failed)} required dependenc{'y is' if len(failed) == 1 else 'ies are'} missing or out of range:",
         "bold red")

@@ -7,7 +7,8 @@ import typer
 
 DOCTOR_HELP = (
     "Check this machine and this installation: Python, platform, devices, soup distributions, plugins "
-    "and their probes, and every declared dependency against its range.\n\n"
+    "and their probes, every declared dependency against its range, and the third-party warnings Soup hides "
+    "that this installation gives (what they mean for you).\n\n"
     "Exit codes: 0 every required dependency is installed and in range; 1 one is missing or out of "
     "range (the pip install line that fixes it is printed)."
 )
