@@ -29,6 +29,7 @@ def invoke(command, args: list[str], input: str | None = None):
     from typer.testing import CliRunner
 
     app = typer.Typer()
-    app.command()(command)
+    name = command.__name__.rstrip("_")
+    app.command(name)(command)
     app.command("unused", hidden=True)(lambda: None)  # two commands: typer keeps the command's own name off argv
-    return CliRunner().invoke(app, [command.__name__, *[os.fspath(a) for a in args]], input=input)
+    return CliRunner().invoke(app, [name, *[os.fspath(a) for a in args]], input=input)

@@ -15,6 +15,8 @@ SOUP_HOOK_API = (1, 1)
 def soup_register_commands() -> list[Command]:
     from soup_plugin_eval.chat import CHAT_HELP, chat
     from soup_plugin_eval.cli import GENERATE_HELP, generate
+    from soup_plugin_eval.eval_cmd import EVAL_HELP, eval_
 
     return [Command(name="generate", target=generate, help=GENERATE_HELP),
-            Command(name="chat", target=chat, help=CHAT_HELP)]
+            Command(name="chat", target=chat, help=CHAT_HELP),
+            Command(name="eval", target=eval_, help=EVAL_HELP)]

@@ -19,7 +19,7 @@ from typing import Any
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _CARD_CONFIG = re.compile(r"^## Config\n\n```yaml\n(.*?)\n```", re.S | re.M)
-_CARD_FORMAT = re.compile(r"^\| `data\.train` \| .*? \| (\w+) \|", re.M)
+_CARD_FORMAT = re.compile(r"^\| `data\.train` \| .*? \| (\w+) \| `(\w+)` \|", re.M)
 
 
 class TargetError(ValueError):
@@ -37,6 +37,7 @@ class Target:
     run_id: str | None = None
     run_dir: Path | None = None  # the run's output folder (a checkpoint's parent)
     data_format: str | None = None  # the format of the run's training rows (chat, alpaca, ...), when known
+    fingerprint: str | None = None  # the start of the training rows' fingerprint, from the model card
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -154,7 +155,7 @@ def resolve(spec: str, *, plugins: Any = None) -> Target:
     match = _CARD_FORMAT.search(card)
     data_format = config.data.format if config.data.format != "auto" else (match.group(1) if match else None)
     target = Target(spec=spec, kind=kind, weights=folder, config=config, run_id=run_id, run_dir=run_dir,
-                    data_format=data_format)
+                    data_format=data_format, fingerprint=match.group(2) if match else None)
     if data_format is None:
         target.data_format = _detect_format(config, plugins)
     return target

@@ -1,0 +1,165 @@
+"""``soup eval``: loss and perplexity of one or more targets on held-out rows, side by side; benchmarks through
+lm-evaluation-harness with ``--tasks``.
+
+Import-light: typer at module level; the models when the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from soup_plugin_eval.cli import EXIT_CODES, TARGET_HELP, Fail, Progress, load_target, run_command, status
+
+EVAL_HELP = f"""Loss and perplexity on held-out rows, with exactly the training encoding; or benchmarks (--tasks).
+
+\b
+  soup eval latest --data held_out.jsonl
+  soup eval latest --val                            the run's own validation split
+  soup eval out/checkpoint-20 out/checkpoint-40 out --data held_out.jsonl --json scores.json
+  soup eval latest --tasks my_task --include-path tasks/    benchmarks: lm-evaluation-harness
+
+The rows are read and encoded as the run's task reads and encodes training rows (its formats, chat template, \
+data.max_length, train_on_responses_only), so each row's loss is the mean cross-entropy over the same \
+supervised tokens training used: what soup rewind shows for a training row. The loss of the data is the mean \
+over all its supervised tokens; perplexity is exp of it. --json writes every row's loss (index: the row's \
+position in --data, or in the validation split), to sort the worst rows. Each result is stored with its run \
+and shown by `soup runs show RUN` (summary.eval ...).
+
+{EXIT_CODES}
+"""
+
+
+def _num(value: float) -> Any:
+    return value if math.isfinite(value) else None  # strict JSON: a row with no supervised token has no loss
+
+
+def _store(spec: Any, key: str, text: str) -> str | None:
+    """Record the result in the run's tracker row; a note when it cannot be."""
+    from soup_core import Tracker
+
+    if not spec.run_id:
+        return f"not stored: {spec.label} names no run"
+    tracker = Tracker()
+    try:
+        if tracker.get_run(spec.run_id) is None:
+            return f"not stored: run {spec.run_id} is not in the tracker ({tracker.path})"
+        tracker.update_summary(spec.run_id, {key: text})
+    except Exception as exc:  # noqa: BLE001 - the scores are printed whatever the tracker says
+        return f"not stored in the tracker ({tracker.path}): {exc}"
+    return None
+
+
+def eval_(
+    targets: list[str] = typer.Argument(..., metavar="TARGET...", help=TARGET_HELP + " Several: side by side."),
+    data: Path | None = typer.Option(None, "--data", metavar="FILE", help="Held-out rows in a format the run's "
+                                     "task trains on."),
+    val: bool = typer.Option(False, "--val", help="Score the run's own validation split (data.val_split)."),
+    json_path: Path | None = typer.Option(None, "--json", metavar="PATH", help="Write the scores and every row's "
+                                          "loss as JSON."),
+    tasks: str | None = typer.Option(None, "--tasks", metavar="NAME[,NAME]", help="lm-evaluation-harness tasks "
+                                     "instead of --data (needs soup-plugin-eval[harness])."),
+    include_path: Path | None = typer.Option(None, "--include-path", metavar="DIR", help="A folder of "
+                                             "lm-evaluation-harness task YAML files (local tasks)."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: at most this many documents "
+                                     "per task."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Rows scored together."),
+) -> None:
+    """Score trained models on held-out rows (see EVAL_HELP)."""
+
+    def body() -> None:
+        if sum([data is not None, val, tasks is not None]) != 1:
+            raise Fail("give one of --data FILE, --val or --tasks NAME[,NAME]", 2)
+        if (include_path is not None or limit is not None) and tasks is None:
+            raise Fail("--include-path and --limit go with --tasks", 2)
+        if data is not None and not data.is_file():
+            raise Fail(f"--data {data}: no such file")
+        if tasks is not None:
+            from soup_plugin_eval.harness import run_tasks
+
+            results = run_tasks(targets, [t.strip() for t in tasks.split(",") if t.strip()],
+                                include_path=include_path, limit=limit, batch_size=batch_size)
+            _report_tasks(results, json_path)
+            return
+        _score_rows(targets, data, json_path, batch_size)
+
+    run_command(body)
+
+
+def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, batch_size: int) -> None:
+    from soup_core import atomic_write, console, load_plugins
+    from soup_plugin_eval.evaluate import encode, eval_rows, score
+
+    plugins = load_plugins()
+    results: list[tuple[Any, Any, str]] = []
+    for spec_text in targets:
+        spec, loaded = load_target(spec_text)
+        rows, what = eval_rows(spec, plugins, data)
+        if not rows:
+            raise Fail(f"{what}: no rows to score")
+        encoded = encode(spec, plugins, rows, loaded.tokenizer)
+        scores = score(loaded, encoded, batch_size=batch_size, progress=Progress("scoring", len(encoded)))
+        results.append((spec, scores, what))
+        del loaded  # one model in memory at a time
+    from rich.table import Table
+
+    table = Table(title=f"soup eval: {results[0][2]}" if len({w for *_, w in results}) == 1 else "soup eval")
+    for column in ("target", "rows", "tokens", "loss", "perplexity"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    notes = []
+    for spec, scores, _what in results:
+        table.add_row(spec.label, str(len(scores.row_loss)), str(scores.tokens), f"{scores.loss:.4f}",
+                      f"{scores.perplexity:.4g}")
+        name = "val" if data is None else data.name
+        note = _store(spec, f"eval {name} @ {spec.weights.name}",
+                      f"loss {scores.loss:.4f}, perplexity {scores.perplexity:.4g} ({len(scores.row_loss)} rows, "
+                      f"{scores.tokens} tokens)")
+        if note:
+            notes.append(note)
+    console.print(table)
+    for note in notes:
+        status(note)
+    if json_path is not None:
+        payload = {"targets": [{
+            "target": spec.spec, "label": spec.label, "run_id": spec.run_id, "data": what,
+            "rows": len(scores.row_loss), "tokens": scores.tokens, "loss": _num(scores.loss),
+            "perplexity": _num(scores.perplexity),
+            "row_losses": [{"index": i, "loss": _num(loss), "tokens": n}
+                           for i, (loss, n) in enumerate(zip(scores.row_loss, scores.row_tokens, strict=True))],
+        } for spec, scores, what in results]}
+        try:
+            atomic_write(json_path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
+        except OSError as exc:
+            raise Fail(f"--json {json_path}: {exc}") from None
+        status(f"wrote {json_path}")
+
+
+def _report_tasks(results: list[tuple[Any, dict[str, dict[str, Any]]]], json_path: Path | None) -> None:
+    from rich.table import Table
+
+    from soup_core import atomic_write, console
+
+    table = Table(title="soup eval --tasks (lm-evaluation-harness)")
+    for column in ("target", "task", "metric", "value", "stderr"):
+        table.add_column(column, justify="right" if column in ("value", "stderr") else "left")
+    for spec, per_task in results:
+        for task, metrics in per_task.items():
+            for metric, value in metrics.items():
+                if metric.endswith("_stderr") or not isinstance(value, int | float):
+                    continue
+                err = metrics.get(f"{metric}_stderr")
+                table.add_row(spec.label, task, metric, f"{value:.4g}",
+                              f"{err:.4g}" if isinstance(err, int | float) else "-")
+        _store(spec, f"eval tasks {','.join(per_task)} @ {spec.weights.name}",
+               "; ".join(f"{task} {m} {v:.4g}" for task, ms in per_task.items() for m, v in ms.items()
+                         if isinstance(v, int | float) and not m.endswith("_stderr")))
+    console.print(table)
+    if json_path is not None:
+        payload = {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "results": per_task}
+                               for spec, per_task in results]}
+        atomic_write(json_path, json.dumps(payload, indent=1, default=str) + "\n")
+        status(f"wrote {json_path}")

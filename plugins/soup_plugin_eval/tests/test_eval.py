@@ -1,0 +1,105 @@
+"""`soup eval`: the per-row losses of a checkpoint saved after step k, on the rows of step k+1, are the per-row
+losses the rewind log recorded for step k+1 (training's own forward pass at those weights, dropout 0); the
+data's loss is the token-weighted mean of them and the perplexity exp of it; results are stored with the run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from eval_kit import Runs, invoke, sums
+
+from soup_plugin_eval.eval_cmd import eval_
+
+
+def logged(runs: Runs, step: int) -> dict[int, float]:
+    """Row index -> loss, as the rewind log recorded it for ``step``."""
+    out: dict[int, float] = {}
+    for line in (runs.lora.output_dir / "rewind.jsonl").read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "batch" and record["step"] == step:
+            out.update(zip(record["rows"], record["row_loss"], strict=True))
+    return out
+
+
+def scored(target: Path | str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "scores.json"
+    result = invoke(eval_, [str(target), *args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def test_checkpoint_losses_equal_the_rewind_log(in_home: Runs, tmp_path: Path) -> None:
+    out = in_home.lora.output_dir
+    step2 = logged(in_home, 2)
+    assert len(step2) == 4
+    rows = {r["index"]: r for r in scored(out / "checkpoint-1", tmp_path, "--data", str(in_home.data))
+            ["targets"][0]["row_losses"]}
+    for index, loss in step2.items():
+        assert rows[index]["loss"] == pytest.approx(loss, abs=1e-5)
+    # control: the weights after step 2 give other losses on those rows
+    later = {r["index"]: r["loss"] for r in scored(out / "checkpoint-2", tmp_path, "--data", str(in_home.data))
+             ["targets"][0]["row_losses"]}
+    assert max(abs(later[i] - loss) for i, loss in step2.items()) > 1e-3
+
+
+def test_loss_is_the_token_mean_and_perplexity_its_exp(in_home: Runs, tmp_path: Path) -> None:
+    target = scored(in_home.lora.output_dir, tmp_path, "--data", str(in_home.data))["targets"][0]
+    rows = target["row_losses"]
+    assert len(rows) == target["rows"] == 16 and sum(r["tokens"] for r in rows) == target["tokens"]
+    mean = sum(r["loss"] * r["tokens"] for r in rows) / target["tokens"]
+    assert target["loss"] == pytest.approx(mean, rel=1e-12)
+    assert target["perplexity"] == pytest.approx(math.exp(mean), rel=1e-12)
+
+
+def test_several_targets_side_by_side_and_stored_with_the_run(in_home: Runs, tmp_path: Path) -> None:
+    from soup_core.testing import run_soup
+
+    out = in_home.lora.output_dir
+    result = invoke(eval_, [str(out / "checkpoint-1"), str(out), "--data", str(in_home.data)])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if "output/checkpoint-1 " in line or "│ output " in line]
+    assert len(rows) == 2, result.stdout
+    shown = run_soup(["runs", "show", in_home.lora.run_id, "--json"])
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)["summary"]
+    assert summary["eval train.jsonl @ checkpoint-1"].startswith("loss ")
+    assert summary["eval train.jsonl @ output"].startswith("loss ")
+    shown = run_soup(["runs", "show", in_home.lora.run_id], env={"COLUMNS": "200"})
+    assert "summary.eval train.jsonl @ checkpoint-1" in shown.stdout, shown.stdout
+
+
+def test_val_scores_the_runs_validation_split(in_home: Runs, tmp_path: Path, tiny_model: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from soup_core import build_training_list, load_plugins
+    from soup_core.testing import train_in_process, write_jsonl
+
+    data = write_jsonl(tmp_path / "rows.jsonl", sums(12))
+    run = train_in_process({"data": {"train": str(data), "max_length": 64, "val_split": 0.25},
+                            "training": {"max_steps": 1, "batch_size": 4}}, workdir=tmp_path, default_base=tiny_model)
+    val_rows = build_training_list({"train": str(data), "val_split": 0.25, "seed": 42},
+                                   formats=load_plugins().data_formats).val_rows
+    assert len(val_rows) == 3
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", val_rows)
+    by_val = scored(run.output_dir, tmp_path, "--val")["targets"][0]
+    by_file = scored(run.output_dir, tmp_path, "--data", str(held_out))["targets"][0]
+    assert by_val["rows"] == 3 and by_val["row_losses"] == by_file["row_losses"]
+    assert by_val["loss"] != scored(run.output_dir, tmp_path, "--data", str(data))["targets"][0]["loss"]  # control
+    write_jsonl(data, sums(12, start=1))  # the run's data changed: its split cannot be rebuilt
+    result = invoke(eval_, [str(run.output_dir), "--val"])
+    assert result.exit_code == 1 and "changed since it trained" in result.output, result.output
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    ([], 2, "give one of --data FILE, --val or --tasks"),
+    (["--val", "--data", "x.jsonl"], 2, "give one of"),
+    (["--val"], 1, "held out no validation rows"),
+    (["--data", "missing.jsonl"], 1, "no such file"),
+    (["--data", "x.jsonl", "--limit", "3"], 2, "go with --tasks"),
+])
+def test_usage_errors(in_home: Runs, args: list[str], code: int, message: str) -> None:
+    result = invoke(eval_, [str(in_home.lora.output_dir), *args])
+    assert result.exit_code == code and message in result.output, result.output
+    assert "Traceback" not in result.output
