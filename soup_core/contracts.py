@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+    from soup_core.events import MicroBatch, OptimizerStep, PendingUpdate, RunEnd, RunStart
 
 
 # --------------------------------------------------------------------------------------------- probes
@@ -219,12 +219,29 @@ class Rollback(NamedTuple):
 
 
 class Stop(NamedTuple):
-    """Controller action: stop the run; the tracker row is marked ``stopped`` with ``reason``."""
+    """Controller action: stop the run; the tracker row is marked ``stopped`` with ``reason``. ``failed``:
+    the run went wrong (``soup train`` exits 1), not merely done early."""
+
+    reason: str
+    failed: bool = False
+
+
+class SkipUpdate(NamedTuple):
+    """``before_update`` action: the pending optimizer update is not applied (the step counts, skipped)."""
 
     reason: str
 
 
-ControllerAction = SetCoefficient | Rollback | Stop
+class ExcludeRows(NamedTuple):
+    """``before_update`` action: these training-list rows add no loss for the rest of the run (every
+    later micro-batch, epoch and rank). ``shares`` (optional, same order) is each row's share of the step."""
+
+    rows: tuple[int, ...]
+    reason: str = ""
+    shares: tuple[float, ...] = ()
+
+
+ControllerAction = SetCoefficient | Rollback | Stop | SkipUpdate | ExcludeRows
 
 
 class Controller:
@@ -233,9 +250,18 @@ class Controller:
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     tasks: ClassVar[tuple[str, ...]] = ()  # the tasks it acts on; empty means all
+    #: True when ``before_update`` reads the step's rows (``PendingUpdate.rows``...): the backend then
+    #: measures per-row losses even with no recorder, and gathers them from every rank.
+    wants_rows: ClassVar[bool] = False
 
     def on_run_start(self, event: RunStart) -> None:
         """Called once before the first step."""
+
+    def before_update(self, event: PendingUpdate) -> Sequence[ControllerAction]:
+        """Called after a step's gradients are ready and before the optimizer applies them, with the same
+        event on every rank; returns ``SkipUpdate``, ``ExcludeRows`` or ``Stop`` (may be empty). A backend
+        that cannot veto an update never calls it (docs/plugins.md, "Acting before an update")."""
+        return ()
 
     def on_step(self, event: OptimizerStep) -> Sequence[ControllerAction]:
         """Called after every optimizer step; returns actions for the backend to apply (may be empty)."""

@@ -53,6 +53,23 @@ class OptimizerStep(NamedTuple):
     rank: int = 0
 
 
+class PendingUpdate(NamedTuple):
+    """A step's gradients are ready and not yet applied (``Controller.before_update``).
+
+    ``loss`` is the step's loss (mean over ranks); ``grad_norm`` the gradient norm before clipping.
+    ``rows``/``row_loss``/``row_tokens`` hold every row of the step, over all micro-batches and ranks, in
+    the order rank 0's then rank 1's micro-batches came; empty unless a controller ``wants_rows``.
+    """
+
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    rows: tuple[int, ...] = ()
+    row_loss: tuple[float, ...] = ()
+    row_tokens: tuple[int, ...] = ()
+    rank: int = 0
+
+
 class RunEnd(NamedTuple):
     """The run is over. ``status`` is completed, failed, interrupted or stopped (by a controller)."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from soup_core.contracts import Controller, ControllerAction, Recorder
-from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+from soup_core.events import MicroBatch, OptimizerStep, PendingUpdate, RunEnd, RunStart
 
 
 class ControllerError(RuntimeError):
@@ -81,6 +81,19 @@ class RunEvents:
                 controller, plugin, "on_step", event
             )
             actions.extend(result or ())
+        return actions
+
+    @property
+    def wants_rows(self) -> bool:
+        """True when a controller reads the step's rows before an update."""
+        return any(getattr(c, "wants_rows", False) for c, _ in self.controllers)
+
+    def pending_update(self, event: PendingUpdate) -> list[ControllerAction]:
+        """Ask the controllers about an update before it is applied; their actions, in controller order."""
+        actions: list[ControllerAction] = []
+        for controller, plugin in self.controllers:
+            if getattr(type(controller), "before_update", Controller.before_update) is not Controller.before_update:
+                actions.extend(self._call_controller(controller, plugin, "before_update", event) or ())
         return actions
 
     def run_end(self, event: RunEnd) -> None:

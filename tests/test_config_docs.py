@@ -31,7 +31,9 @@ def documented_rows(text: str) -> list[str]:
 
 def paths_that_do_not_exist(text: str) -> set[str]:
     sections = {path for path, _, section in iter_fields(SoupConfig) if section is not None}
-    valid = set(core_field_paths()) | sections
+    from soup_core.default_plugins.transformers.plugin import soup_register_config_fields
+
+    valid = set(core_field_paths()) | sections | {f.path for f in soup_register_config_fields()}
     return {
         path
         for path in set(MENTION.findall(text)) - valid - SHOWN_AS_WRONG

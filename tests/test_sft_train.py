@@ -50,7 +50,7 @@ def test_lora_adapter_loads_with_peft_and_reproduces_the_trained_model(
     assert [e.status for e in recorder.ends] == ["completed"]
     assert len(recorder.starts) == 1 and recorder.starts[0].resumed_from_step is None
     assert [s.step for s in recorder.steps] == [1, 2]
-    assert set(recorder.steps[0].metrics) == {"loss", "learning_rate", "grad_norm"}
+    assert set(recorder.steps[0].metrics) == {"loss", "learning_rate", "grad_norm", "update_ratio"}
 
 
 def test_full_fine_tune_saves_a_model_that_reproduces_the_trained_one(

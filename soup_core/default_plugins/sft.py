@@ -157,7 +157,7 @@ class SFTTask(Task):
     description = "supervised fine-tuning on chat, alpaca, prompt/completion or text rows"
     data_keys = ("data.train",)
     formats = ("chat", "alpaca", "prompt_completion", "text")
-    capabilities = frozenset({"per_row_losses", "streamable"})
+    capabilities = frozenset({"per_row_losses", "streamable", "token_cross_entropy"})
 
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
         """Encode rows with the config's ``data.max_length`` and ``data.train_on_responses_only``."""

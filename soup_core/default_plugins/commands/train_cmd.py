@@ -255,6 +255,8 @@ def run_train_command(
         if "--debug" in sys.argv or os.environ.get("SOUP_DEBUG") == "1":
             raise
         return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
+    if summary.get("stop_failed"):  # the watchdog stopped a run that went wrong: the row says stopped
+        return fail(f"run {summary.get('run_id')} stopped: {summary.get('stop_reason')}")
     console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
     return 0
 

@@ -187,6 +187,7 @@ class PreparedRun:
         self.summary = {
             "status": status,
             "stop_reason": trainer.soup_stop_reason,
+            "stop_failed": bool(getattr(trainer, "soup_stop_failed", False)),
             "steps": trainer.state.global_step,
             "final_loss": trainer.soup_last_metrics.get("loss"),
             "train_loss": getattr(output, "training_loss", None),

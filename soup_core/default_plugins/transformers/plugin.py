@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from soup_core import probes
-from soup_core.contracts import LoadedModel, PreflightReport, Probe, ProbeResult, Support
+from soup_core.contracts import ConfigField, LoadedModel, PreflightReport, Probe, ProbeResult, Support
 from soup_core.default_plugins.transformers.backend import HONOURED_FIELDS, TransformersBackend
 from soup_core.hookspecs import hookimpl
 
@@ -56,10 +56,30 @@ def soup_register_probes() -> list[Probe]:
 
 
 @hookimpl
+def soup_register_config_fields() -> list[ConfigField]:
+    return [ConfigField(
+        path="training.watchdog", annotation=bool | None, default=None, observer=True,
+        description="Skip an update whose loss or gradient is not finite, and stop a run that keeps "
+        "failing or diverges (exit 1, weights from before the first bad update). Default: on where the "
+        "backend runs it; true refuses a backend that cannot; false turns it off.",
+    )]
+
+
+@hookimpl
 def soup_preflight(config: Any) -> PreflightReport | None:
     """What this backend can check without loading weights (the base, report_to, the output path), so a dry
     run fails where the run would."""
     if getattr(config, "backend", None) != "transformers":
+        if config is None:
+            return None
+        watchdog = getattr(config.training, "watchdog", None)
+        if watchdog is None:  # the watchdog lives in this backend's trainer
+            return PreflightReport(lines=[f"watchdog off: the {config.backend} backend has no update gate"])
+        if watchdog:
+            return PreflightReport(
+                refusal=f"training.watchdog: true, but the {config.backend} backend cannot run the watchdog "
+                "(it has no update gate: only the transformers backend vetoes an update)",
+                fix="remove training.watchdog, or train with backend: transformers")
         return None
     from soup_core.default_plugins.transformers.checks import base_problem, output_problem, report_to_problem
     from soup_core.run import output_dir_for

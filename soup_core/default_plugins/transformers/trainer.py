@@ -264,11 +264,15 @@ class SoupTrainerMixin:
         self._soup_emitted_step = -1
         self._soup_tokens: Any = 0  # a device tensor once training starts: no host sync per micro-batch
         self.soup_stop_reason: str | None = None
+        self.soup_stop_failed = False  # stopped because the run went wrong (the watchdog): exit 1
         self.soup_last_metrics: dict[str, float] = {}
         self.soup_rollbacks: list[str] = []
         self.soup_interrupted_by: int | None = None  # the signal that stopped the run at a step
         self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
         self._soup_own_loss = type(self).soup_token_loss is not SoupTrainerMixin.soup_token_loss
+        from soup_core.default_plugins.transformers.gate import UpdateGate
+
+        self.soup_gate = UpdateGate(self, setup)
 
     @property
     def soup_tokens_seen(self) -> int:
@@ -318,7 +322,7 @@ class SoupTrainerMixin:
         rows = inputs.pop("row_index", None)
         slots = inputs.pop("token_slot", None)
         training = self.model.training
-        want_rows = training and rows is not None and self._soup.ctx.events.has_recorders
+        want_rows = training and rows is not None and (self._soup.ctx.events.has_recorders or self.soup_gate.wants_rows)
         self._soup_capture, self._soup_output = want_rows, None
         try:
             if self._soup_own_loss:
@@ -331,6 +335,7 @@ class SoupTrainerMixin:
             self._soup_capture = False
         if training:
             step = self.state.global_step + 1
+            result = self.soup_gate.poison(step, result)
             if step != self._soup_micro_step:
                 self._soup_micro_step, self._soup_micro = step, 0
             else:
@@ -405,6 +410,7 @@ class SoupTrainerMixin:
                 f"per-row statistics: {len(losses)} losses and {len(tokens)} counts for {len(rows)} rows"
             )
         ctx = self._soup.ctx
+        self.soup_gate.note_rows(tuple(int(r) for r in rows.tolist()), losses, tokens)
         ctx.events.micro_batch(
             MicroBatch(
                 step=step,
@@ -423,6 +429,18 @@ class SoupTrainerMixin:
         return loss
 
     # -------------------------------------------------------------------- optimizer steps, controllers
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.soup_gate.mask(batches):  # rows a controller excluded add no loss and no token count
+            items = self._get_num_items_in_batch(batches, device)
+        return batches, items
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # called once per optimizer step, gradients ready, before optimizer.step(): the update gate
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.soup_gate.before_update(model, grad_norm)
+        return grad_norm
 
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
@@ -473,12 +491,15 @@ class SoupTrainerMixin:
 
     def _soup_after_step(self, step: int, grad_norm: Any, learning_rate: Any) -> None:
         metrics: dict[str, float] = {}
-        loss = self._soup_step_loss
+        gate = self.soup_gate
+        loss = gate.loss if gate.step == step else self._soup_step_loss  # the gate reduced it already
         self._soup_step_loss = None
         if loss is not None:
-            if self.accelerator.num_processes > 1:
+            if gate.step != step and self.accelerator.num_processes > 1:
                 loss = self.accelerator.reduce(loss.to(self.args.device), reduction="mean")
             metrics["loss"] = float(loss)
+        if gate.step == step:
+            metrics.update(gate.after_update(step, grad_norm))
         if learning_rate is not None:
             metrics["learning_rate"] = float(learning_rate)
         if grad_norm is not None:
@@ -501,6 +522,7 @@ class SoupTrainerMixin:
         if isinstance(action, Stop):
             self.control.should_training_stop = True
             self.soup_stop_reason = action.reason or "stopped by a controller"
+            self.soup_stop_failed = bool(getattr(action, "failed", False))
             self._soup_say(f"Stopping at step {self.state.global_step}: {self.soup_stop_reason}")
         elif isinstance(action, SetCoefficient):
             current = getattr(self, action.name, None) if action.name in self.soup_coefficients else None

@@ -1,0 +1,221 @@
+"""The point between a step's gradients and its optimizer update, for :class:`SoupTrainerMixin`.
+
+Here the watchdog (:mod:`.watchdog`) and the controllers' ``before_update`` decide whether the update is
+applied (a vetoed update's gradients are dropped, so the optimizer changes no weight and no state), and
+rows a controller excluded are masked out of every later micro-batch before it is counted or trained.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from soup_core.contracts import ExcludeRows, SkipUpdate, Stop
+from soup_core.default_plugins.transformers.watchdog import Watchdog
+from soup_core.events import PendingUpdate
+
+IGNORE = -100
+#: Trainable weights up to this size are copied before every update, so a divergence stop can save the
+#: weights from before its first bad update and the update's size can be measured. Beyond it the watchdog
+#: judges by the gradient norm alone and a stop saves the weights it stopped at.
+SNAPSHOT_LIMIT_BYTES = 512 << 20
+#: Test seam: steps whose loss is made NaN (``"3,7"``, or ``"all"``).
+INJECT_ENV = "SOUP_TEST_NONFINITE_STEPS"
+
+
+def _local(tensor: Any) -> Any:
+    """This rank's shard of a weight FSDP shards (a DTensor has no foreach ops), else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def watchdog_enabled(config: Any) -> bool:
+    """``training.watchdog``: None (the default) and True both mean on for this backend."""
+    return getattr(config.training, "watchdog", None) is not False
+
+
+class UpdateGate:
+    """One trainer's update gate. ``trainer`` is a :class:`SoupTrainerMixin`."""
+
+    def __init__(self, trainer: Any, setup: Any) -> None:
+        ctx = setup.ctx
+        self.trainer, self.ctx = trainer, ctx
+        self.events = ctx.events
+        self.wants_rows = bool(getattr(self.events, "wants_rows", False))
+        config = ctx.config
+        self.watchdog = None
+        if watchdog_enabled(config):
+            self.watchdog = Watchdog(
+                divergence="token_cross_entropy" in getattr(ctx.task, "capabilities", ()),
+                learning_rate=float(config.training.learning_rate),
+            )
+        self.excluded: set[int] = set()
+        self.rows: list[tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]] = []
+        self.loss: float | None = None  # the step's loss, reduced over ranks, measured before the update
+        self.step = -1  # the step the gate last decided on
+        self.applied = False
+        self.skipped_steps: list[int] = []
+        self.params: list[torch.Tensor] = []
+        self.before: list[torch.Tensor] | None = None  # the weights before the current update
+        self.kept: list[torch.Tensor] | None = None  # the weights before a suspected blow-up
+        self.kept_step: int | None = None
+        raw = os.environ.get(INJECT_ENV, "")
+        self.inject: set[int] | str = "all" if raw == "all" else {int(s) for s in raw.split(",") if s.strip()}
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def poison(self, step: int, result: Any) -> Any:
+        """The test seam: a NaN loss at the steps ``SOUP_TEST_NONFINITE_STEPS`` names."""
+        if not self.inject or (self.inject != "all" and step not in self.inject):
+            return result
+        if isinstance(result, tuple):
+            return (result[0] * math.nan, *result[1:])
+        return result * math.nan
+
+    def note_rows(self, rows: tuple[int, ...], losses: tuple[float, ...], tokens: tuple[int, ...]) -> None:
+        if self.wants_rows:
+            self.rows.append((rows, losses, tokens))
+
+    def mask(self, batches: list[dict[str, Any]]) -> bool:
+        """Mask the excluded rows' labels in these micro-batches; True when something was masked."""
+        if not self.excluded:
+            return False
+        changed = False
+        for batch in batches:
+            rows, labels = batch.get("row_index"), batch.get("labels")
+            if rows is None or labels is None:
+                continue
+            for slot, row in enumerate(rows.tolist()):
+                if row not in self.excluded:
+                    continue
+                changed = True
+                if "token_slot" in batch:
+                    labels[batch["token_slot"] == slot] = IGNORE
+                else:
+                    labels[slot] = IGNORE
+        return changed
+
+    # ------------------------------------------------------------------ the update
+
+    def _gather_rows(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
+        local = self.rows
+        self.rows = []
+        if self.ctx.world_size > 1:  # every rank decides on every rank's rows: the same event everywhere
+            import torch.distributed as dist
+
+            parts: list[Any] = [None] * self.ctx.world_size
+            dist.all_gather_object(parts, local)
+            local = [mb for part in parts for mb in part]
+        rows = tuple(r for mb in local for r in mb[0])
+        losses = tuple(v for mb in local for v in mb[1])
+        tokens = tuple(t for mb in local for t in mb[2])
+        return rows, losses, tokens
+
+    def _step_loss(self) -> float | None:
+        trainer = self.trainer
+        loss, trainer._soup_step_loss = trainer._soup_step_loss, None
+        if loss is None:
+            return None
+        if trainer.accelerator.num_processes > 1:
+            loss = trainer.accelerator.reduce(loss.to(trainer.args.device), reduction="mean")
+        return float(loss)
+
+    def before_update(self, model: Any, grad_norm: Any) -> None:
+        """Decide on the pending update; drop its gradients when it is vetoed."""
+        trainer = self.trainer
+        self.step = step = trainer.state.global_step + 1
+        self.loss = loss = self._step_loss()
+        norm = None if grad_norm is None else float(grad_norm)
+        actions: list[Any] = []
+        if self.watchdog is not None:
+            verdict = self.watchdog.before_update(step, loss, norm)
+            if verdict == "skip":
+                actions.append(SkipUpdate("watchdog: the loss or gradient is not finite"))
+            elif verdict == "stop":
+                actions.append(Stop(self.watchdog.stop_reason or "watchdog", failed=True))
+        rows: tuple[Any, ...] = ((), (), ())
+        if self.wants_rows:
+            rows = self._gather_rows()
+        actions += self.events.pending_update(
+            PendingUpdate(step, loss, norm, rows[0], rows[1], rows[2], rank=self.ctx.rank)
+        )
+        veto = False
+        for action in actions:
+            if isinstance(action, SkipUpdate):
+                veto = True
+            elif isinstance(action, ExcludeRows):
+                self.excluded.update(int(r) for r in action.rows)
+            elif isinstance(action, Stop):
+                veto = True
+                trainer._soup_apply(action)
+                if action.failed and self.kept is not None:
+                    self._restore(self.kept)
+            else:
+                trainer._soup_apply(action)
+        if trainer.accelerator.num_processes > 1:  # one decision on every rank, whatever each saw
+            flag = torch.tensor([1.0 if veto else 0.0], device=trainer.args.device)
+            veto = bool(trainer.accelerator.reduce(flag, reduction="sum").item())
+        self.applied = not veto
+        if veto:
+            model.zero_grad(set_to_none=True)  # no gradient: the optimizer touches neither weight nor state
+            self.skipped_steps.append(step)
+            if trainer.soup_stop_reason is None:
+                trainer._soup_say(f"step {step}: update skipped ({'; '.join(_reasons(actions))})")
+        elif self.watchdog is not None:
+            self._snapshot(model)
+
+    def _snapshot(self, model: Any) -> None:
+        if not self.params:
+            self.params = [p for p in model.parameters() if p.requires_grad]
+            size = sum(p.numel() * p.element_size() for p in self.params)
+            if size > SNAPSHOT_LIMIT_BYTES:
+                self.params = []
+                self.before = None
+                return
+            self.before = [torch.empty_like(_local(p)) for p in self.params]
+        if self.before is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.before, [_local(p.detach()) for p in self.params])
+
+    def _restore(self, weights: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_([_local(p.data) for p in self.params], weights)
+        self.trainer._soup_say(f"saved weights: those from before step {self.kept_step}'s update")
+
+    def after_update(self, step: int, grad_norm: Any) -> dict[str, float]:
+        """Metrics of the step just taken (``update_skipped``, ``update_ratio``); notes a blow-up."""
+        if not self.applied:
+            return {"update_skipped": 1.0}
+        metrics: dict[str, float] = {}
+        ratio = None
+        if self.before is not None and self.params:
+            with torch.no_grad():
+                delta = torch._foreach_sub([_local(p.detach()) for p in self.params], self.before)
+                change, size = _norms(delta, self.before, sharded=hasattr(self.params[0], "to_local"))
+            ratio = change / size if size > 0 else math.inf
+            metrics["update_ratio"] = ratio
+        norm = None if grad_norm is None else float(grad_norm)
+        if self.watchdog is not None and self.watchdog.after_update(step, norm, ratio) and self.before is not None:
+            self.kept, self.before = self.before, [torch.empty_like(_local(p)) for p in self.params]
+            self.kept_step = step
+        elif self.watchdog is not None and self.watchdog.blowup is None and self.kept is not None:
+            self.kept, self.kept_step = None, None  # it recovered: nothing to go back to
+        return metrics
+
+
+def _norms(delta: list[Any], before: list[Any], *, sharded: bool) -> tuple[float, float]:
+    """The update's and the weights' norms; under FSDP each rank holds a shard, so the squares are summed
+    over the ranks (every rank then judges the same numbers)."""
+    squares = torch.stack([torch.stack(torch._foreach_norm(t)).square().sum() for t in (delta, before)])
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares)
+    change, size = squares.sqrt().tolist()
+    return change, size
+
+
+def _reasons(actions: list[Any]) -> list[str]:
+    return [a.reason for a in actions if isinstance(a, (SkipUpdate, Stop)) and a.reason] or ["vetoed"]

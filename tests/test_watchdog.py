@@ -1,0 +1,163 @@
+"""The watchdog (training.watchdog, on by default): a non-finite step's update is skipped, a run of them
+stops the run, and a run that diverges (an update blows up and the loss never improves after it) is stopped
+with exit 1, naming training.learning_rate, recorded ``stopped``, its output the weights from before the
+first bad update. The rules themselves are checked on numbers first, each with its control."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from soup_core.default_plugins.transformers.watchdog import IMPROVE_WINDOW, NONFINITE_WINDOW, Watchdog
+from soup_core.testing import TrainingFailed
+
+pytest_plugins = ["soup_core.testing"]
+
+
+# ------------------------------------------------------------------------------------------ the rules
+
+
+def test_a_nonfinite_step_is_skipped_and_a_run_of_them_stops():
+    dog = Watchdog(divergence=True, learning_rate=1e-3)
+    assert dog.before_update(1, 2.0, 1.0) is None
+    assert dog.before_update(2, math.nan, 1.0) == "skip"
+    assert dog.before_update(3, 2.0, math.inf) == "skip"  # a non-finite gradient counts too
+    assert dog.before_update(4, 1.9, 1.0) is None  # a finite step ends the streak
+    verdicts = [dog.before_update(s, math.nan, None) for s in range(5, 5 + NONFINITE_WINDOW)]
+    assert verdicts == ["skip"] * (NONFINITE_WINDOW - 1) + ["stop"]
+    assert "training.learning_rate" in (dog.stop_reason or "") and "5-9" in (dog.stop_reason or "")
+
+
+def _run(dog: Watchdog, losses: list[float], ratios: list[float], grads: list[float] | None = None) -> int | None:
+    """Feed steps 1..n; the step the watchdog stops at, or None."""
+    for i, (loss, ratio) in enumerate(zip(losses, ratios, strict=True), start=1):
+        if dog.before_update(i, loss, (grads or [1.0] * len(losses))[i - 1]) == "stop":
+            return i
+        dog.after_update(i, (grads or [1.0] * len(losses))[i - 1], ratio)
+    return None
+
+
+def test_divergence_needs_both_signals():
+    n = 3 + IMPROVE_WINDOW + 2
+    flat = [6.9] * n
+    blown = [0.01, 0.01, 50.0] + [0.01] * (n - 3)  # the update at step 3 is 50x the weights
+    assert _run(Watchdog(divergence=True), flat, blown) == 3 + IMPROVE_WINDOW
+    assert _run(Watchdog(divergence=True), flat, [0.01] * n) is None  # control: flat loss, no blow-up
+    recovering = [6.9, 6.9, 6.9] + [6.9 * 0.9 ** k for k in range(1, n - 2)]
+    assert _run(Watchdog(divergence=True), recovering, blown) is None  # control: it improved after
+    assert _run(Watchdog(divergence=False), flat, blown) is None  # a task that declares no objective
+    grads = [1.0, 1.2, 0.9, 1.1, 500.0] + [1.0] * (n - 5)  # a gradient 500x the median also blows up
+    assert _run(Watchdog(divergence=True), flat, [0.01] * n, grads) == 5 + IMPROVE_WINDOW
+    assert _run(Watchdog(divergence=True), flat, [0.01] * n, [g if g < 100 else 50.0 for g in grads]) is None
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+
+@pytest.fixture
+def quickstart_data(tmp_path: Path) -> Path:
+    from soup_core.default_plugins.commands.quickstart import synthetic_rows
+    from soup_core.testing import write_jsonl
+
+    return write_jsonl(tmp_path / "train.jsonl", synthetic_rows())
+
+
+def _config(data: Path, **training):
+    return {
+        "task": "sft",
+        "data": {"train": str(data), "format": "chat", "val_split": 0.0, "max_length": 256},
+        "training": {"epochs": 1, "learning_rate": 5e-3, "batch_size": 4, "scheduler": "constant",
+                     "dtype": "float32", "lora": {"r": 0}, "seed": 0, **training},
+    }
+
+
+def _weights(folder: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_learning_rate_1e6_is_stopped_with_the_weights_from_before(
+    run_training, quickstart_data, tiny_model, soup_home, torch_one_thread
+):
+    torch = torch_one_thread
+    with pytest.raises(TrainingFailed) as caught:
+        run_training(_config(quickstart_data, learning_rate=1e6, max_steps=20))
+    failed = caught.value
+    assert failed.exit_code == 1 and "training.learning_rate" in failed.message
+    steps = [e for e in failed.events if type(e).__name__ == "OptimizerStep"]
+    assert len(steps) <= 20 and steps[-1].metrics.get("update_skipped") == 1.0
+    from soup_core.tracker import Tracker
+
+    (record,) = Tracker(soup_home / "experiments.db").list_runs()
+    assert record.status == "stopped" and "training.learning_rate" in (record.error or "")
+    saved = _weights(Path(record.output_dir))
+    base = _weights(tiny_model)  # the first update blew up: the output is the model before it
+    common = [k for k in saved if k in base]
+    assert common and all(torch.equal(saved[k], base[k]) for k in common)
+    off = run_training(_config(quickstart_data, learning_rate=1e6, max_steps=3, watchdog=False))
+    assert off.status == "completed"  # control: without the watchdog the same run "completes"
+    trained = _weights(off.output_dir)
+    assert any(not torch.equal(trained[k], base[k]) for k in common)
+
+
+@pytest.mark.slow
+def test_an_injected_nan_is_skipped_once_and_stops_when_it_persists(
+    run_training, quickstart_data, monkeypatch, torch_one_thread
+):
+    torch = torch_one_thread
+    monkeypatch.setenv("SOUP_TEST_NONFINITE_STEPS", "3")
+    once = run_training(_config(quickstart_data, max_steps=6))
+    assert once.status == "completed"
+    skipped = [s.step for s in once.steps if s.metrics.get("update_skipped") == 1.0]
+    assert skipped == [3] and math.isnan(once.steps[2].metrics["loss"])
+    assert all(math.isfinite(s.metrics["loss"]) for s in once.steps if s.step != 3)
+    assert all(torch.isfinite(t).all() for t in _weights(once.output_dir).values())
+    assert "update_ratio" not in once.steps[2].metrics and "update_ratio" in once.steps[3].metrics
+
+    monkeypatch.setenv("SOUP_TEST_NONFINITE_STEPS", "all")
+    with pytest.raises(TrainingFailed) as caught:
+        run_training(_config(quickstart_data, max_steps=20))
+    steps = [e for e in caught.value.events if type(e).__name__ == "OptimizerStep"]
+    assert caught.value.exit_code == 1 and len(steps) == NONFINITE_WINDOW
+    assert "not finite" in caught.value.message and "training.learning_rate" in caught.value.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_clean_quickstart_data_is_never_stopped_nor_skipped(run_training, tmp_path, seed):
+    from soup_core.default_plugins.commands.quickstart import synthetic_rows
+    from soup_core.testing import write_jsonl
+
+    clean = [r for i, r in enumerate(synthetic_rows(seed=seed)) if i != 17]
+    data = write_jsonl(tmp_path / "clean.jsonl", clean)
+    config = _config(data, epochs=3, seed=seed)
+    config["data"]["seed"] = seed
+    result = run_training(config)
+    assert result.status == "completed"
+    assert not [s.step for s in result.steps if "update_skipped" in s.metrics]
+    assert max(s.metrics["update_ratio"] for s in result.steps) < 1.0
+
+
+@pytest.mark.slow
+def test_lora_at_2e_4_for_200_steps_on_a_random_model_is_not_stopped(run_training, quickstart_data):
+    result = run_training(_config(quickstart_data, learning_rate=2e-4, max_steps=200, lora={"r": 8}))
+    assert result.status == "completed" and len(result.steps) == 200
+    assert not [s.step for s in result.steps if "update_skipped" in s.metrics]
+
+
+def test_watchdog_true_is_refused_where_the_backend_cannot_run_it():
+    from types import SimpleNamespace
+
+    from soup_core.default_plugins.transformers.plugin import soup_preflight
+
+    def config(value):
+        return SimpleNamespace(backend="mlx", training=SimpleNamespace(watchdog=value))
+
+    assert soup_preflight(config(None)).lines == ["watchdog off: the mlx backend has no update gate"]
+    refused = soup_preflight(config(True))
+    assert refused.refusal and "training.watchdog" in refused.refusal
+    assert soup_preflight(config(False)) is None
