@@ -45,7 +45,7 @@ def refused(config):
 
 
 def test_registers_the_task_fields_support_row_and_probes(plugins):
-    assert plugins.tasks["distill"].capabilities == frozenset({"per_row_losses"})
+    assert plugins.tasks["distill"].capabilities == frozenset({"per_row_losses", "token_cross_entropy"})
     assert plugins.tasks["distill"].data_keys == ("data.train",)
     assert set(distill.FIELDS) <= set(plugins.config_fields)
     from soup_core.default_plugins.transformers import HONOURED_FIELDS

@@ -19,7 +19,7 @@ class DistillTask(SFTTask):
 
     name = "distill"
     description = "knowledge distillation from a teacher model (forward KL, reverse KL, Jensen-Shannon)"
-    capabilities = frozenset({"per_row_losses"})
+    capabilities = frozenset({"per_row_losses", "token_cross_entropy"})
 
     def build(self, backend: Backend, context: Any) -> Any:
         """The trainer for ``backend`` (transformers only); ``context`` is its trainer set-up."""

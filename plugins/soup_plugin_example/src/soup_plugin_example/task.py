@@ -24,7 +24,7 @@ class WeightedSFTTask(Task):
     data_keys = ("data.train",)
     formats = (FORMAT,)
     # its trainer emits each row's loss (MicroBatch events): soup rewind works on its runs
-    capabilities = frozenset({"per_row_losses"})
+    capabilities = frozenset({"per_row_losses", "token_cross_entropy"})
 
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
         """Tokenise rows as the core's sft does and keep each row's (clipped) weight beside its tokens (the

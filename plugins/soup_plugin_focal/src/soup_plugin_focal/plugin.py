@@ -14,7 +14,7 @@ class FocalTask(SFTTask):
 
     name = TASK
     description = "supervised fine-tuning with the focal loss: well-predicted tokens count less"
-    capabilities = frozenset({"per_row_losses"})  # soup rewind reads its runs
+    capabilities = frozenset({"per_row_losses", "token_cross_entropy"})  # soup rewind reads its runs
 
     def build(self, backend: Any, setup: Any) -> Any:  # backend: transformers, the only one in the support row
         from soup_core.default_plugins.transformers import datasets_for
