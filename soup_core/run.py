@@ -84,6 +84,7 @@ def _resolve_resume(plan: Plan) -> None:
     """``training.resume_from`` (``latest``, an output folder, a checkpoint) becomes the checkpoint folder
     itself; a checkpoint that already trained all the config asks marks the plan finished."""
     from soup_core.checkpoints import ResumeError, finished_at, resolve_resume
+    from soup_core.outputs import read_manifest
 
     value = plan.config.training.resume_from
     if not value:
@@ -101,7 +102,11 @@ def _resolve_resume(plan: Plan) -> None:
     plan.config.training.resume_from = str(checkpoint)
     plan.lines.append(f"resume from: {checkpoint}")
     step = finished_at(checkpoint, plan.config)
-    if step is not None:
+    if step is not None and read_manifest(checkpoint.parent).get("status") in ("failed", "interrupted"):
+        # its run trained every step but ended before its final model was saved (a full disk): save it now
+        plan.lines.append(f"{checkpoint} is the last step, but its run ended before the trained model was saved: "
+                          "this run saves it")
+    elif step is not None:
         plan.finished = (f"nothing to resume: {checkpoint} is at step {step}, where this config's training "
                          "ends; the run is finished, and no new run was recorded")
 

@@ -323,6 +323,34 @@ def test_a_failed_write_leaves_no_partial_folder_and_fails_the_run(tiny_model: P
     assert (out / "adapter_model.safetensors").is_file()
 
 
+def test_a_run_whose_final_save_failed_at_its_last_checkpoint_resumes_to_save_it(
+        tiny_model: Path, tmp_path: Path, soup_home: Path, soup, monkeypatch) -> None:
+    import errno
+
+    import peft.peft_model
+
+    real_save = peft.peft_model.safe_save_file
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        if ".soup-tmp-final" in str(filename):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", full_disk)
+    config = make_config(tmp_path, tiny_model, max_steps=2, save_steps=2)  # checkpoint-2 is the last step
+    out = tmp_path / "out"
+    assert soup(["train", "-c", str(config)]).returncode == 1 and not (out / "adapter_model.safetensors").exists()
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", real_save)
+    again = soup(["train", "-c", str(config), "--resume", "latest"])
+    assert again.returncode == 0 and "nothing to resume" not in again.stdout, again.stdout + again.stderr
+    assert "its run ended before the trained model was saved" in again.stdout and "step 1/2" not in again.stdout
+    assert same(adapter(out), adapter(out / "checkpoint-2"))  # the model of the last step, saved at last
+    # control: once that run completed, resuming it again trains nothing and records no run
+    before = len(runs(soup_home))
+    done = soup(["train", "-c", str(config), "--resume", "latest"])
+    assert done.returncode == 0 and "nothing to resume" in done.stdout and len(runs(soup_home)) == before
+
+
 # ------------------------------------------------------------------------------ 6. save_total_limit
 
 

@@ -71,15 +71,20 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+#: The core's name for a temp folder a save writes before it renames: a leftover (a killed process) is never
+#: taken for a checkpoint, and counts as the run's own file, which ``soup train --overwrite`` removes.
+TMP_PREFIX = ".soup-tmp-"
+
+
 @contextmanager
 def building(folder: Path) -> Iterator[Path]:
     """Build a folder beside ``folder`` and rename it into place at the end (replacing an old one)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{folder.name}.", dir=folder.parent))
     try:
         yield tmp
         if folder.exists():
-            old = folder.with_name(f".{folder.name}.old")
+            old = folder.with_name(f"{TMP_PREFIX}{folder.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(folder, old)
             os.replace(tmp, folder)
@@ -89,6 +94,33 @@ def building(folder: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def filling(folder: Path) -> Iterator[Path]:
+    """Write the files of ``folder`` into a temp folder inside it, then rename each into place; what else
+    ``folder`` holds (the run's config, logs, checkpoints) stays. A failed write leaves none of them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}final.", dir=folder))
+    try:
+        yield tmp
+        for entry in sorted(tmp.iterdir()):
+            target = folder / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a write failed, in words (``No space left on device (path)``), from the innermost OS error."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def mlx_adapter_config(*, base: str, n_layers: int, info: dict[str, Any], lora: Any) -> dict[str, Any]:

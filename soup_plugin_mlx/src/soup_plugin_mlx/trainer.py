@@ -36,6 +36,9 @@ from soup_plugin_mlx.probes import describe_device
 from soup_plugin_mlx.schedule import learning_rate, plan_steps
 from soup_plugin_mlx.steps import dropout_seed, pad_batch, row_loss_sums, step_loss, supervised_tokens
 
+#: what to do after a save failed (disk full, no permission)
+_AFTER_FAILED_SAVE = "free space or fix the permissions, then resume: --resume latest"
+
 
 def latest_checkpoint(folder: Path) -> Path | None:
     found = []
@@ -385,26 +388,38 @@ class MLXRun:
         if self.ctx.rank != 0:
             return
         folder = self.output_dir / f"checkpoint-{self.global_step}"
-        with adapters.building(folder) as tmp:
-            adapters.write_adapter(tmp, self.model, self._adapter_config())
-            adapters.save_safetensors(tmp / adapters.OPTIMIZER_STATE, self.optimizer.state_arrays())
-            adapters.write_json(
-                tmp / adapters.TRAINER_STATE,
-                {
-                    "backend": BACKEND_NAME,
-                    "global_step": self.global_step,
-                    "epoch": self.global_step / self.plan.steps_per_epoch,
-                    "max_steps": self.plan.total_steps,
-                },
-            )
+        # whole or not at all: built in a temp folder, the trainer state (what marks it complete) last
+        try:
+            with adapters.building(folder) as tmp:
+                adapters.write_adapter(tmp, self.model, self._adapter_config())
+                adapters.save_safetensors(tmp / adapters.OPTIMIZER_STATE, self.optimizer.state_arrays())
+                adapters.write_json(
+                    tmp / adapters.TRAINER_STATE,
+                    {
+                        "backend": BACKEND_NAME,
+                        "global_step": self.global_step,
+                        "epoch": self.global_step / self.plan.steps_per_epoch,
+                        "max_steps": self.plan.total_steps,
+                    },
+                )
+        except Exception as exc:
+            raise MLXBackendError(
+                f"could not save checkpoint {folder}: {adapters.failure_reason(exc)}; nothing was left there "
+                f"({_AFTER_FAILED_SAVE})"
+            ) from exc
 
     def _save_output(self) -> None:
         if self.ctx.rank != 0:
             return
-        folder = self.output_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        if self.info["adapter"]:
-            adapters.write_adapter(folder, self.model, self._adapter_config())
-        else:
-            adapters.write_full_model(folder, self.model, self.model_config)
-        adapters.save_tokenizer(folder, self.tokenizer)
+        try:
+            with adapters.filling(self.output_dir) as tmp:
+                if self.info["adapter"]:
+                    adapters.write_adapter(tmp, self.model, self._adapter_config())
+                else:
+                    adapters.write_full_model(tmp, self.model, self.model_config)
+                adapters.save_tokenizer(tmp, self.tokenizer)
+        except Exception as exc:
+            raise MLXBackendError(
+                f"could not save the trained model to {self.output_dir}: {adapters.failure_reason(exc)}; "
+                f"nothing partial was left there ({_AFTER_FAILED_SAVE})"
+            ) from exc

@@ -1,0 +1,101 @@
+"""No half-written files on the mlx backend, end to end through ``soup train``: a save that fails part-way
+(a full disk) leaves no partial checkpoint or model, names what and where, fails the run, and ``--resume
+latest`` continues from the last complete checkpoint to the weights of a run that never failed."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NO_SPACE = os.strerror(errno.ENOSPC)
+
+
+def _soup(args: list[str]) -> int:
+    from soup_core.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    return exit_info.value.code or 0
+
+
+def _weights(folder: Path) -> dict[str, np.ndarray]:
+    import mlx.core as mx
+
+    return {k: np.array(v) for k, v in mx.load(str(folder / "adapters.safetensors")).items()}
+
+
+@pytest.mark.parametrize("where", ["checkpoint-4", "final"])
+def test_a_failed_save_leaves_nothing_partial_and_resume_finds_the_last_complete_checkpoint(
+    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys, where: str
+) -> None:
+    import soup_plugin_mlx.adapters as adapters
+    from soup_core import Tracker
+
+    monkeypatch.chdir(tmp_path)
+    write_data(12)
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {tiny_model}\nbackend: mlx\noutput: ./output\ndata:\n  train: data.jsonl\n  max_length: 128\n"
+        "training:\n  max_steps: 6\n  save_steps: 2\n  batch_size: 4\n  learning_rate: 0.01\n"
+        "  logging_steps: 1\n",
+        encoding="utf-8",
+    )
+    out, real_save = tmp_path / "output", adapters.save_safetensors
+    staged = f"{adapters.TMP_PREFIX}{where}."
+    written: list[str] = []
+
+    def full_disk(path: Path, arrays: dict, metadata: dict | None = None) -> None:
+        # the adapter weights go first and are written whole; the disk fills on the next file
+        if path.parent.name.startswith(staged) and written:
+            path.write_bytes(b"partial")  # what a full disk leaves: the start of a file
+            raise OSError(errno.ENOSPC, NO_SPACE, str(path))
+        if path.parent.name.startswith(staged):
+            written.append(path.name)
+        real_save(path, arrays, metadata)
+
+    monkeypatch.setattr(adapters, "save_safetensors", full_disk)
+    if where == "final":  # the final model's adapter is one file: fail on the tokenizer after it instead
+        real_tokenizer = adapters.save_tokenizer
+
+        def tokenizer_full_disk(folder: Path, tokenizer: object) -> None:
+            real_tokenizer(folder, tokenizer)
+            raise OSError(errno.ENOSPC, NO_SPACE, str(folder / "tokenizer.json"))
+
+        monkeypatch.setattr(adapters, "save_tokenizer", tokenizer_full_disk)
+    assert _soup(["train"]) == 1
+    err = capsys.readouterr().err
+    what = f"checkpoint {out / where}" if where != "final" else f"the trained model to {out}"
+    assert f"could not save {what}: {NO_SPACE}" in " ".join(err.split()) and "Traceback" not in err, err
+    assert written == ["adapters.safetensors"]  # the save failed part-way, after a whole file
+    assert not list(out.glob(f"{adapters.TMP_PREFIX}*")) and not (out / "adapters.safetensors").exists()
+    complete = ["checkpoint-2"] + (["checkpoint-4", "checkpoint-6"] if where == "final" else [])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == complete  # no half checkpoint
+    (run,) = Tracker().list_runs()
+    assert run.status == "failed" and NO_SPACE in (run.error or ""), run.error
+
+    # what a killed process leaves, a temp folder half written, is never taken for a checkpoint
+    leftover = out / f"{adapters.TMP_PREFIX}checkpoint-8.x1"
+    leftover.mkdir()
+    (leftover / "adapters.safetensors").write_bytes(b"partial")
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert _soup(["train", "--resume", "latest"]) == 0
+    resumed = capsys.readouterr().out
+    last = out / complete[-1]
+    assert f"resume from: {last}" in resumed and "nothing to resume" not in resumed, resumed
+    if where == "final":  # the run trained every step; resuming saves the model it could not
+        assert "step 6/6" not in resumed and "Done." in resumed
+    else:
+        assert "step 3/6" in resumed and "step 2/6" not in resumed
+
+    # the same weights as a run that never failed; control: the checkpoint it resumed from differs
+    assert _soup(["train", "-o", str(tmp_path / "whole")]) == 0
+    final, whole = _weights(out), _weights(tmp_path / "whole")
+    assert final.keys() == whole.keys() and all(np.array_equal(final[k], whole[k]) for k in final)
+    middle = _weights(out / "checkpoint-2")
+    assert any(not np.array_equal(middle[k], whole[k]) for k in whole)
