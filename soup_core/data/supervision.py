@@ -22,8 +22,8 @@ def unsupervised_rows(encoded: Sequence[Mapping[str, Any]]) -> list[int]:
     (a task whose objective is not next-token prediction on labels)."""
     return [
         i for i, example in enumerate(encoded)
-        if "labels" in example and not any(label != IGNORE for label in example["labels"])
-    ]
+        if "labels" in example and list(example["labels"]).count(IGNORE) == len(example["labels"])
+    ]  # count() runs in C: a million rows of labels take a generator per token far longer
 
 
 def _where(training: Any, index: int) -> str:

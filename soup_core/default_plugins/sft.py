@@ -26,6 +26,19 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class EncodingError(ValueError):
     """A row cannot be tokenised as asked (says which row, why, and how to fix it)."""
 
+    row: int | None = None  # the row's position in the chunk being encoded, when known
+
+    def with_row(self, row: int) -> EncodingError:
+        self.row = row
+        return self
+
+
+PREFIX_ERROR = (
+    "the chat template renders a conversation's beginning differently from the whole conversation, so the "
+    "assistant tokens cannot be found; use a chat template with {% generation %} markers, or set "
+    "data.train_on_responses_only: false"
+)
+
 
 def has_generation_markers(tokenizer: Any) -> bool:
     """True when the tokenizer's chat template marks assistant text with ``{% generation %}``."""
@@ -77,11 +90,7 @@ def _encode_chat_by_prefix(messages: list[dict[str, str]], tokenizer: Any):
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise EncodingError(
-                "the chat template renders a conversation's beginning differently from the whole "
-                "conversation, so the assistant tokens cannot be found; use a chat template with "
-                "{% generation %} markers, or set data.train_on_responses_only: false"
-            )
+            raise EncodingError(PREFIX_ERROR)
         # Whitespace the template puts after a turn separates turns; it is not the answer.
         spans.append((len(before), len(upto.rstrip())))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -137,17 +146,19 @@ def encode_rows(
     max_length: int,
     train_on_responses_only: bool = True,
 ) -> list[dict[str, Any]]:
-    """Encode every row; each result carries ``input_ids``, ``labels`` and ``row_index`` (its position)."""
-    out: list[dict[str, Any]] = []
-    for index, row in enumerate(rows):
-        try:
-            ids, labels = encode_example(
-                row, tokenizer, max_length=max_length, train_on_responses_only=train_on_responses_only
-            )
-        except EncodingError as exc:
-            raise EncodingError(f"training row {index}: {exc}") from exc
-        out.append({"input_ids": ids, "labels": labels, "row_index": index})
-    return out
+    """Encode every row; each result carries ``input_ids``, ``labels`` and ``row_index`` (its position).
+
+    The same tokens as :func:`encode_example` row by row, found a chunk of rows at a time with the fast
+    tokenizer's batched call (:mod:`soup_core.default_plugins.sft_batch`).
+    """
+    from soup_core.default_plugins.sft_batch import encode_in_chunks
+
+    return [
+        {"input_ids": ids, "labels": labels, "row_index": index}
+        for index, ids, labels in encode_in_chunks(
+            rows, tokenizer, max_length=max_length, train_on_responses_only=train_on_responses_only
+        )
+    ]
 
 
 class SFTTask(Task):
