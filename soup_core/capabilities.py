@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from soup_core.contracts import Probe, ProbeResult, Support
-from soup_core.probes import run_probe
+from soup_core.probes import run_deep_probe, run_probe
 
 #: a plugin's status, as ``soup plugins list`` shows it
 OK, UNAVAILABLE, FAILED, DISABLED = "ok", "unavailable", "failed", "disabled"
@@ -96,7 +96,7 @@ class Capabilities:
                 failed = [(None, self.unavailable_scopes[scope][1])]
             if not failed and deep:
                 failed = [(p, r) for p in plugin.probes if p.deep and p.scope in (None, scope)
-                          for r in [run_probe(p.check)] if not r.ok]
+                          for r in [run_deep_probe(plugin.name, p)] if not r.ok]
             for probe, result in failed:
                 what = f"failed probe {probe.name!r}" if probe else "is unavailable"
                 problems.append(f"{kind} {name!r} (plugin {plugin.name!r}) {what}: {result.reason}"

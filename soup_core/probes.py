@@ -7,14 +7,16 @@ a constructor's signature, an attribute — never a version number.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from soup_core import distributions
-from soup_core.contracts import ProbeResult
+from soup_core.contracts import Probe, ProbeResult
 
 
 def distribution_version(name: str) -> str | None:
@@ -94,6 +96,39 @@ def has_attribute(obj: Any, dotted: str) -> bool:
             return False
         obj = getattr(obj, part)
     return True
+
+
+def run_deep_probe(plugin: str, probe: Probe) -> ProbeResult:
+    """A deep probe's verdict before a run. A pass is kept under ``$SOUP_HOME/cache/probes.json`` for this
+    installation: every distribution on ``sys.path`` at the same version and place, this Python, and the
+    probe's source file unchanged; so a run does not import a library only to ask it what it already
+    answered. Failures are never kept, and ``soup plugins list --check`` always asks afresh."""
+    import hashlib
+    import json
+
+    from soup_core.io import atomic_write, read_json_object
+    from soup_core.tracker.store import soup_home
+
+    code = getattr(probe.check, "__code__", None)
+    try:
+        stamp = os.stat(code.co_filename) if code else None
+        source = [code.co_filename, code.co_firstlineno, stamp.st_mtime_ns, stamp.st_size] if stamp else None
+    except OSError:
+        source = None
+    install = repr([sys.version, sys.executable, sorted(distributions.installed().values())])
+    env = hashlib.sha256(install.encode()).hexdigest()
+    key = json.dumps([plugin, probe.name, probe.scope, source])
+    path = soup_home() / "cache" / "probes.json"
+    cached = read_json_object(path) or {}
+    passed = cached.get("passed") if cached.get("env") == env and isinstance(cached.get("passed"), dict) else {}
+    if source is not None and key in passed:
+        return ProbeResult(True, detail=str(passed[key]))
+    result = run_probe(probe.check)
+    if result.ok and source is not None:
+        passed[key] = result.detail
+        with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next run time
+            atomic_write(path, json.dumps({"env": env, "passed": passed}, indent=1))
+    return result
 
 
 def run_probe(check: Callable[[], ProbeResult]) -> ProbeResult:

@@ -262,4 +262,7 @@ class TransformersBackend(Backend):
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run (see :class:`PreparedRun`); returns its summary."""
-        return self.prepare(context).run()
+        from soup_core.default_plugins.transformers.imports import unused_by, without
+
+        with without(*unused_by(context.config)):
+            return self.prepare(context).run()

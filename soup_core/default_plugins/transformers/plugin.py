@@ -35,8 +35,11 @@ def _stack_installed() -> ProbeResult:
 
 def _trl_seams() -> ProbeResult:
     """Deep: the trl/transformers objects this backend extends still have the seams it uses."""
-    from transformers import Trainer
-    from trl import SFTConfig, SFTTrainer
+    from soup_core.default_plugins.transformers.imports import BITSANDBYTES, without
+
+    with without(BITSANDBYTES):  # the seams are trl's and transformers'; peft would import bitsandbytes
+        from transformers import Trainer
+        from trl import SFTConfig, SFTTrainer
 
     for keyword in ("dataset_kwargs", "shuffle_dataset", "padding_free", "max_length"):
         if not probes.accepts(SFTConfig, keyword):

@@ -1,0 +1,63 @@
+"""A run imports only the libraries it uses.
+
+peft imports bitsandbytes whenever it is installed: ``peft.helpers`` tries ``import bitsandbytes`` when peft
+is imported, and its LoRA dispatch asks ``importlib.util.find_spec("bitsandbytes")`` and then imports its
+quantised layers. Importing bitsandbytes compiles kernels through torch's inductor (about a second on a CPU),
+for nothing when the base is not quantised. Both checks read ``sys.modules`` first, and a ``None`` there is
+how Python spells "not importable": ``import`` raises ``ImportError``, ``find_spec`` answers None. So while a
+run without quantisation trains (and while the deep probe imports trl), ``sys.modules["bitsandbytes"]`` is
+None; afterwards the entry goes and the libraries' availability caches are cleared, so a quantised run later
+in the same process finds bitsandbytes as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+BITSANDBYTES = "bitsandbytes"
+
+#: the libraries' cached answers to "is bitsandbytes installed?" (module, function with ``cache_clear``)
+_CACHED_CHECKS = (
+    ("peft.import_utils", "is_bnb_available"),
+    ("peft.import_utils", "is_bnb_4bit_available"),
+    ("transformers.utils.import_utils", "is_bitsandbytes_available"),
+)
+
+
+@contextlib.contextmanager
+def without(*modules: str) -> Iterator[tuple[str, ...]]:
+    """Make ``modules`` (top-level names) unimportable inside the block; yields those it blocked (one
+    already imported stays as it is)."""
+    blocked = tuple(m for m in modules if m not in sys.modules)
+    before = set(sys.modules)
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield blocked
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
+        if blocked:
+            _forget_answers(blocked, before)
+
+
+def _forget_answers(blocked: tuple[str, ...], before: set[str]) -> None:
+    # a module imported inside the block decided what to define from "not installed" (peft's ``bnb``
+    # submodules define their layers only when bitsandbytes imports): dropped, so it is imported afresh
+    for name in [n for n in sys.modules if n not in before]:
+        if name.rsplit(".", 1)[-1] in blocked or name.rsplit(".", 1)[-1] == "bnb":
+            del sys.modules[name]
+    for module, function in _CACHED_CHECKS:
+        check = getattr(sys.modules.get(module), function, None)
+        if hasattr(check, "cache_clear"):
+            check.cache_clear()
+
+
+def unused_by(config: Any) -> tuple[str, ...]:
+    """The optional libraries a transformers run of ``config`` does not use."""
+    quantization = getattr(getattr(config, "training", None), "quantization", None)
+    return (BITSANDBYTES,) if quantization in (None, "none") else ()

@@ -1,0 +1,184 @@
+"""Start-up: a run imports only what it uses, deep-probe verdicts are kept per installation, and asking for
+a distribution that is not installed costs no ``importlib.metadata`` scan."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+from soup_core import Probe, Task, distributions, hookimpl
+from soup_core.testing import isolated_plugins, write_jsonl, write_yaml
+
+pytest_plugins = ["soup_core.testing"]
+
+HEAVY = ("bitsandbytes", "peft", "trl", "datasets")
+
+# runs soup train in this fresh interpreter and prints which of HEAVY it imported
+_TRAIN_AND_REPORT = f"""
+import json, sys
+from soup_core.default_plugins.commands.train_cmd import run_train_command
+from pathlib import Path
+code = run_train_command(Path(sys.argv[1]), overrides={{}}, dry_run=sys.argv[2] == "dry")
+print("IMPORTED " + json.dumps({{"code": code, "modules": [m for m in {HEAVY!r} if sys.modules.get(m)]}}))
+"""
+
+
+def _train_and_report(config: Path, *, dry: bool) -> dict:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _TRAIN_AND_REPORT, str(config), "dry" if dry else "train"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    line = [x for x in out.stdout.splitlines() if x.startswith("IMPORTED ")]
+    assert line, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(line[-1].removeprefix("IMPORTED "))
+
+
+def _config(tmp_path: Path, tiny_model: Path, name: str, **training: object) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(8)]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    return write_yaml(tmp_path / f"{name}.yaml", {
+        "base": str(tiny_model), "data": {"train": "rows.jsonl"}, "output": f"out-{name}",
+        "training": {"max_steps": 1, "batch_size": 2, **training}})
+
+
+def test_a_run_without_quantisation_never_imports_bitsandbytes(tmp_path, tiny_model, soup_home) -> None:
+    plain = _train_and_report(_config(tmp_path, tiny_model, "plain"), dry=False)
+    assert plain["code"] == 0 and "peft" in plain["modules"] and "bitsandbytes" not in plain["modules"]
+    # control: the same run on a 4-bit base uses bitsandbytes, so imports it
+    quantised = _train_and_report(_config(tmp_path, tiny_model, "nf4", quantization="4bit",
+                                          bnb_4bit_use_double_quant=False), dry=False)
+    assert quantised["code"] == 0 and "bitsandbytes" in quantised["modules"]
+
+
+def test_a_dry_run_with_the_probe_verdict_kept_imports_no_trainer_library(tmp_path, tiny_model, soup_home) -> None:
+    config = _config(tmp_path, tiny_model, "dry")
+    first = _train_and_report(config, dry=True)  # control: a fresh SOUP_HOME runs the deep probe, importing trl
+    assert first["code"] == 0 and {"trl", "peft"} <= set(first["modules"])
+    assert "bitsandbytes" not in first["modules"]
+    second = _train_and_report(config, dry=True)
+    assert second == {"code": 0, "modules": []}
+    assert (soup_home / "cache" / "probes.json").is_file()
+
+
+_BLOCK_THEN_USE = """
+import sys
+from soup_core.default_plugins.transformers.imports import without
+with without("bitsandbytes") as blocked:
+    import peft
+    from peft.import_utils import is_bnb_available
+    assert blocked == ("bitsandbytes",) and sys.modules["bitsandbytes"] is None and is_bnb_available() is False
+    try:
+        import bitsandbytes
+        raise SystemExit("bitsandbytes imported inside the block")
+    except ImportError:
+        pass
+assert is_bnb_available() is True  # the cached "not installed" was forgotten
+from peft.tuners.lora.bnb import Linear4bit  # peft's layers for it are defined after all
+print("OK", "bitsandbytes" in sys.modules)
+"""
+
+
+def test_a_quantised_run_after_a_blocked_one_in_one_process_finds_bitsandbytes() -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _BLOCK_THEN_USE], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["OK", "True"], out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------ the probe cache
+
+
+class _EchoTask(Task):
+    name = "echo"
+    formats = ("text",)
+
+
+def _plugin_with_probe(check) -> types.SimpleNamespace:
+    ns = types.SimpleNamespace(SOUP_HOOK_API=(1, 1))
+    ns.soup_register_tasks = hookimpl(lambda: [_EchoTask])
+    ns.soup_register_probes = hookimpl(lambda: [Probe("deep seam", check, deep=True, scope="task:echo")])
+    return ns
+
+
+def _probe_module(tmp_path: Path, verdict: str) -> types.ModuleType:
+    """A probe in a file of its own (its verdict from ``verdict``), counting its calls in ``CALLS``."""
+    path = tmp_path / "probe_mod.py"
+    path.write_text(textwrap.dedent(f"""
+        from soup_core import ProbeResult
+        CALLS = []
+        def check():
+            CALLS.append(1)
+            return {verdict}
+    """))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"probe_mod_{len(verdict)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_passed_deep_probe_is_kept_per_installation(tmp_path, soup_home, monkeypatch) -> None:
+    module = _probe_module(tmp_path, 'ProbeResult(True, detail="seam ok")')
+    plugins = isolated_plugins(("deepy", _plugin_with_probe(module.check)))
+    for _ in range(3):
+        assert plugins.requirements_for(backend="transformers", task="echo") == []
+    assert len(module.CALLS) == 1
+    # another version of any installed distribution is another installation: asked again
+    real = distributions.installed()
+    changed = {**real, "trl": distributions.Installed("trl", "0.0.1", "/elsewhere/trl-0.0.1.dist-info")}
+    monkeypatch.setattr(distributions, "installed", lambda path=None: changed)
+    assert plugins.requirements_for(backend="transformers", task="echo") == []
+    assert len(module.CALLS) == 2
+    monkeypatch.setattr(distributions, "installed", lambda path=None: real)
+    # the probe's own source edited: asked again
+    source = Path(module.__file__)
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    assert plugins.requirements_for(backend="transformers", task="echo") == []
+    assert len(module.CALLS) == 3
+    # soup plugins list --check always asks
+    plugins.deep_check()
+    assert len(module.CALLS) == 4
+
+
+def test_a_failed_deep_probe_is_asked_every_time(tmp_path, soup_home) -> None:
+    module = _probe_module(tmp_path, 'ProbeResult(False, "no seam", "pip install -U trl")')
+    plugins = isolated_plugins(("deepy", _plugin_with_probe(module.check)))
+    for _ in range(2):
+        assert "no seam" in plugins.requirements_for(backend="transformers", task="echo")[0]
+    assert len(module.CALLS) == 2
+
+
+def test_an_unwritable_probe_cache_costs_only_time(tmp_path, monkeypatch) -> None:
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    monkeypatch.setenv("SOUP_HOME", str(home))
+    module = _probe_module(tmp_path, "ProbeResult(True)")
+    plugins = isolated_plugins(("deepy", _plugin_with_probe(module.check)))
+    assert plugins.requirements_for(backend="transformers", task="echo") == []
+    assert plugins.requirements_for(backend="transformers", task="echo") == []
+    assert len(module.CALLS) == 2
+
+
+# ------------------------------------------------------------------------------------ version_of
+
+
+def test_a_distribution_that_is_not_installed_costs_no_metadata_scan(tmp_path, monkeypatch) -> None:
+    calls: list[str] = []
+    real = distributions.distributions
+    monkeypatch.setattr(distributions, "distributions",
+                        lambda path=None, name=None: calls.append(name) or real(path, name))
+    assert distributions.version_of("mlx-metal-not-here") is None
+    assert calls == []
+    # control: an .egg-info distribution is still found, through importlib.metadata
+    egg = tmp_path / "eggy_thing.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: eggy-thing\nVersion: 3.1\n")
+    assert distributions.version_of("eggy-thing", path=[str(tmp_path)]) == "3.1"
+    assert calls == ["eggy-thing"]
+    assert distributions.version_of("pydantic") is not None
