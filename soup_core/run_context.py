@@ -78,3 +78,21 @@ class RunContext:
         finally:
             on_exit()
             self.events.run_end(RunEnd(status=outcome.status, error=outcome.error, rank=self.rank, steps=steps()))
+
+    @contextlib.contextmanager
+    def graceful(self) -> Iterator[None]:
+        """Within the block (a backend's training loop), a SIGTERM or Ctrl-C waits for the loop's next
+        :meth:`stop_if_signalled` instead of raising wherever it lands; a second one still raises at once."""
+        from soup_core.interrupts import graceful
+
+        with graceful():
+            yield
+
+    def stop_if_signalled(self, step: int, save: Callable[[], Path | None]) -> None:
+        """Call after optimizer step ``step``: when a signal has arrived, ``save`` a checkpoint of that step
+        and stop the run as interrupted (``soup train`` exits 143 or 130 with the command that resumes it)."""
+        from soup_core.interrupts import RunInterrupted, pending
+
+        signum = pending()
+        if signum:
+            raise RunInterrupted(signum, checkpoint=save(), step=step)

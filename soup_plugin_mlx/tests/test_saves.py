@@ -99,3 +99,52 @@ def test_a_failed_save_leaves_nothing_partial_and_resume_finds_the_last_complete
     assert final.keys() == whole.keys() and all(np.array_equal(final[k], whole[k]) for k in final)
     middle = _weights(out / "checkpoint-2")
     assert any(not np.array_equal(middle[k], whole[k]) for k in whole)
+
+
+def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
+    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys
+) -> None:
+    import os
+    import signal
+    import types
+
+    from soup_core import HOOK_API_VERSION, Recorder, Tracker, hookimpl
+    from soup_core.testing import registered_plugin
+
+    class Scheduler(Recorder):  # a cluster scheduler pre-empting the job while step 3 runs
+        name = "sigterm-at-step-3"
+        wants_micro_batches = False
+
+        def on_optimizer_step(self, event) -> None:
+            if event.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    preempt = types.SimpleNamespace(SOUP_HOOK_API=(HOOK_API_VERSION, HOOK_API_VERSION),
+                                    soup_register_recorders=hookimpl(lambda: [Scheduler]))
+    monkeypatch.chdir(tmp_path)
+    write_data(12)
+    # save_steps beyond the run: the only checkpoint is the one SIGTERM wrote
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {tiny_model}\nbackend: mlx\noutput: ./output\ndata:\n  train: data.jsonl\n  max_length: 128\n"
+        "training:\n  max_steps: 6\n  save_steps: 100\n  batch_size: 4\n  learning_rate: 0.01\n"
+        "  logging_steps: 1\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "output"
+    with registered_plugin("preempt", preempt, entry_points=True):
+        assert _soup(["train"]) == 143
+    printed = capsys.readouterr()
+    assert f"Interrupted (SIGTERM) at step 3; checkpoint saved to {out / 'checkpoint-3'}" in printed.err
+    assert "step 3/6" in printed.out and "step 4/6" not in printed.out, printed.out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert Tracker().list_runs()[0].status == "interrupted"
+    command = printed.err.split("Resume with: ", 1)[1].split()
+    assert command[:2] == ["soup", "train"] and command[-2:] == ["--resume", str(out / "checkpoint-3")]
+    assert _soup(command[1:]) == 0  # the printed command, as a user would paste it
+    resumed = capsys.readouterr().out
+    assert "step 4/6" in resumed and "step 3/6" not in resumed
+    assert _soup(["train", "-o", str(tmp_path / "whole")]) == 0  # control: a run that was never interrupted
+    final, whole = _weights(out), _weights(tmp_path / "whole")
+    assert final.keys() == whole.keys() and all(np.array_equal(final[k], whole[k]) for k in final)
+    middle = _weights(out / "checkpoint-3")
+    assert any(not np.array_equal(middle[k], whole[k]) for k in whole)

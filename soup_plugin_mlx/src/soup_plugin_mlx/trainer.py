@@ -76,6 +76,7 @@ class MLXRun:
         self.say = ctx.report if ctx.rank == 0 else (lambda message: None)
         self.stop_reason: str | None = None
         self.rollbacks: list[str] = []
+        self._saved_step: int | None = None  # the step of the last checkpoint this run saved
         self.global_step = 0
         self.step_losses: list[float] = []
         self.last_metrics: dict[str, float] = {}
@@ -245,7 +246,9 @@ class MLXRun:
             groups = [batches[i : i + grad_accum] for i in range(0, len(batches), grad_accum)]
             skip = self.global_step - epoch * plan.steps_per_epoch if epoch == start_epoch else 0
             for group in groups[skip:]:
-                self._optimizer_step(group)
+                with self.ctx.graceful():  # a SIGTERM or Ctrl-C ends this step, which is checkpointed
+                    self._optimizer_step(group)
+                    self.ctx.stop_if_signalled(self.global_step, self._checkpoint_of_this_step)
                 if self.stop_reason or self.global_step >= plan.total_steps:
                     break
             if self.val_rows and not t.eval_steps:  # the Trainer's eval_strategy "epoch"
@@ -384,6 +387,12 @@ class MLXRun:
             lora=self.config.training.lora,
         )
 
+    def _checkpoint_of_this_step(self) -> Path | None:
+        if self._saved_step != self.global_step:  # save_steps did not save it already
+            self._save_checkpoint()
+        folder = self.output_dir / f"checkpoint-{self.global_step}"
+        return folder if folder.is_dir() else None
+
     def _save_checkpoint(self) -> None:
         if self.ctx.rank != 0:
             return
@@ -402,6 +411,7 @@ class MLXRun:
                         "max_steps": self.plan.total_steps,
                     },
                 )
+            self._saved_step = self.global_step
         except Exception as exc:
             raise MLXBackendError(
                 f"could not save checkpoint {folder}: {adapters.failure_reason(exc)}; nothing was left there "
