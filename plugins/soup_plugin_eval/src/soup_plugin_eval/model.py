@@ -61,17 +61,26 @@ def load(target: Target) -> Loaded:
 
 
 def _load_mlx(target: Target) -> Loaded:
+    """mlx-lm's model with the run's adapter, and the run's own tokenizer (its chat template), which
+    mlx-lm's generation wraps as it wraps any Hugging Face tokenizer."""
     from soup_core import probes
 
     if not probes.distribution("mlx-lm").ok:
         raise TargetError(f"{target.weights} was trained by the mlx backend; generating from it needs mlx-lm "
                           "(pip install soup-plugin-mlx), or convert it: soup export ADAPTER --to peft -o OUT")
     from mlx_lm import load as mlx_load
+    from transformers import AutoTokenizer
 
-    if (target.weights / "adapters.safetensors").is_file():
-        model, tokenizer = mlx_load(str(Path(target.base).expanduser()), adapter_path=str(target.weights))
-    else:
-        model, tokenizer = mlx_load(str(target.weights))
+    try:
+        if (target.weights / "adapters.safetensors").is_file():
+            model, _ = mlx_load(str(Path(target.base).expanduser()), adapter_path=str(target.weights))
+        else:
+            model, _ = mlx_load(str(target.weights))
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_folder(target))
+    except (OSError, ValueError, KeyError) as exc:
+        raise TargetError(f"mlx-lm cannot load {target.weights} (base {target.base}): {exc}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return Loaded(model, tokenizer, "mlx")
 
 
@@ -137,7 +146,9 @@ def generate(loaded: Loaded, prompts: Sequence[Sequence[int]], sampling: Samplin
 
 def _generate_mlx(loaded: Loaded, prompts: Sequence[Sequence[int]], sampling: Sampling,
                   progress: Callable[[int], None] | None) -> list[list[int]]:
-    """One prompt at a time through mlx-lm's ``stream_generate`` (what ``mlx_lm.generate`` runs)."""
+    """One prompt at a time through mlx-lm's ``stream_generate`` (what ``mlx_lm.generate`` runs). Its last
+    response carries the stop token (or the last token, at --max-new-tokens), so the ids are those of a
+    transformers row: up to and with the stop token."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
