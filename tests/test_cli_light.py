@@ -50,7 +50,7 @@ def heavy_imports(
 @pytest.mark.parametrize(
     "args",
     [["--help"], ["--version"], ["plugins", "list"], ["plugins", "list", "--json"], ["runs"], ["runs", "--help"],
-     ["train", "--help"], ["rewind", "--help"],
+     ["train", "--help"], ["rewind", "--help"], ["cache", "list"],
      ["rewind", str(REPO / "plugins" / "soup_plugin_rewind" / "tests" / "seed-example.jsonl")]],
 )
 def test_light_commands_import_no_heavy_library(args: list[str], tmp_path: Path) -> None:

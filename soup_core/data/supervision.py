@@ -35,16 +35,20 @@ def _where(training: Any, index: int) -> str:
 
 
 def check_supervision(
-    encoded: Sequence[Mapping[str, Any]], *, training: Any, max_length: int, on_bad_row: str
+    encoded: Sequence[Mapping[str, Any]], *, training: Any, max_length: int, on_bad_row: str,
+    empty: Sequence[int] | None = None,
 ) -> list[int]:
     """Check the encoded training rows; returns the rows skipped (no supervised token) under ``skip``.
 
     Raises DataError when every row trains nothing (always), or when some do under ``on_bad_row: error``.
-    ``training`` is the TrainingList the rows came from (for the file and line of each row).
+    ``training`` is the TrainingList the rows came from (for the file and line of each row). ``empty``: the
+    rows without a supervised token when already known (prepared data counts them as it encodes).
     """
-    if not encoded or not any("labels" in example for example in encoded):
-        return []
-    empty = unsupervised_rows(encoded)
+    if empty is None:
+        if not encoded or not any("labels" in example for example in encoded):
+            return []
+        empty = unsupervised_rows(encoded)
+    empty = list(empty)
     if len(empty) == len(encoded):
         raise DataError(
             "", None,

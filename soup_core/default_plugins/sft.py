@@ -169,6 +169,8 @@ class SFTTask(Task):
     data_keys = ("data.train",)
     formats = ("chat", "alpaca", "prompt_completion", "text")
     capabilities = frozenset({"per_row_losses", "streamable", "token_cross_entropy"})
+    #: Bump when encode would give other tokens for the same rows: prepared data in the cache is keyed by it.
+    encoding_version = 1
 
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
         """Encode rows with the config's ``data.max_length`` and ``data.train_on_responses_only``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from soup_core.contracts import Command
+from soup_core.default_plugins.commands.cache_cmd import cache_app
 from soup_core.default_plugins.commands.doctor_cmd import DOCTOR_HELP, doctor
 from soup_core.default_plugins.commands.init_cmd import init
 from soup_core.default_plugins.commands.merge_cmd import merge
@@ -24,4 +25,5 @@ def soup_register_commands() -> list[Command]:
         Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
         Command(name="doctor", target=doctor, help=DOCTOR_HELP),
+        Command(name="cache", target=cache_app, help="See and clear the prepared data Soup caches."),
     ]

@@ -393,9 +393,12 @@ def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
         return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
     from soup_core.data import check_supervision
+    from soup_core.default_plugins.prepared import cacheable, length_summary
     from soup_core.progress import RowProgress
     from soup_core.ui import console
 
+    if cacheable(task):  # the dry run fills the data cache that soup train then reads
+        return length_summary(task, training, tokenizer, config, report=console.print)
     rows = RowProgress(training.rows, what="tokenising the training rows", report=console.print)
     encoded = task.encode(rows, tokenizer, config)
     lengths = sorted(len(e["input_ids"]) for e in encoded)

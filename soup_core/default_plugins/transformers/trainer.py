@@ -174,6 +174,10 @@ def datasets_for(task: Any, setup: TrainerSetup) -> tuple[Any, Any]:
     """
     from datasets import Dataset
 
+    from soup_core.default_plugins.prepared import cacheable, prepared_datasets
+
+    if cacheable(task):  # encoded once into the data cache, read back memory-mapped
+        return prepared_datasets(task, setup.ctx, setup.tokenizer)
     config = setup.ctx.config
     training = setup.ctx.training
     from soup_core.progress import RowProgress

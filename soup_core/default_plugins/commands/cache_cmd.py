@@ -1,0 +1,42 @@
+"""``soup cache list|clear``: the prepared data Soup keeps under ``$SOUP_HOME/cache/data``."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+cache_app = typer.Typer(help="See and clear the prepared data Soup caches.", no_args_is_help=True)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+@cache_app.command("list")
+def list_cache() -> None:
+    """Every cached entry (most recently used first): its kind, size, last use and rows. Exit code 0."""
+    from soup_core.data.cache import cache_root, entries, limit_bytes
+
+    listed = entries()
+    total = sum(e["bytes"] for e in listed)
+    typer.echo(f"{cache_root()}: {len(listed)} entries, {_size(total)} of {_size(limit_bytes())} "
+               "(SOUP_DATA_CACHE_GB sets the limit)")
+    for entry in listed:
+        parts = entry["parts"]
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["used"]))
+        what = f"task {parts.get('task', '?')}, max_length {parts.get('data', {}).get('max_length', '?')}"
+        typer.echo(f"  {entry['name']}  {entry['kind']:<8} {_size(entry['bytes']):>9}  used {used}  {what}")
+
+
+@cache_app.command("clear")
+def clear_cache() -> None:
+    """Remove every cached entry; the next run prepares its data again. Exit code 0."""
+    from soup_core.data.cache import cache_root, clear
+
+    n, freed = clear()
+    typer.echo(f"removed {n} entries ({_size(freed)}) from {cache_root()}")

@@ -1,0 +1,192 @@
+"""The cache of prepared data: keyed by everything that decides it (each component, changed, rebuilds), filled
+whole once by concurrent fillers, bounded, listed and cleared by `soup cache`; the dry run fills it and
+`soup train` reads it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from soup_core.testing import run_soup, write_jsonl, write_yaml
+
+pytest_plugins = ["soup_core.testing"]
+
+ROWS = [{"messages": [{"role": "user", "content": f"question {i} " * (1 + i % 4)},
+                      {"role": "assistant", "content": f"answer {i}"}]} for i in range(40)]
+
+
+class _Data(SimpleNamespace):
+    def model_dump(self, mode: str = "json") -> dict:
+        return dict(vars(self))
+
+
+def _config(**data) -> SimpleNamespace:
+    base = dict(train="train.jsonl", max_length=64, train_on_responses_only=True, packing=False,
+                on_bad_row="error", val_split=0.1, seed=0, format="auto")
+    return SimpleNamespace(data=_Data(**{**base, **data}))
+
+
+@pytest.fixture()
+def setup(tmp_path, soup_home, tiny_model):
+    from transformers import AutoTokenizer
+
+    from soup_core.data import build_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
+    from soup_core.default_plugins.sft import SFTTask
+
+    formats = {f.name: f for f in BUILTIN_FORMATS}
+
+    def training(rows=ROWS):
+        write_jsonl(tmp_path / "train.jsonl", rows)
+        return build_training_list(_config().data, formats=formats, base_dir=tmp_path)
+
+    return SimpleNamespace(task=SFTTask(), training=training, tokenizer=AutoTokenizer.from_pretrained(tiny_model),
+                           tmp=tmp_path)
+
+
+def _prepare(s, *, task=None, training=None, tokenizer=None, config=None):
+    from soup_core.default_plugins.prepared import prepare_encoded
+
+    return prepare_encoded(task or s.task, training or s.training(), tokenizer or s.tokenizer, config or _config())
+
+
+def test_prepared_rows_are_the_task_encoding_memory_mapped(setup):
+    from soup_core.default_plugins.sft import encode_rows
+
+    training = setup.training()
+    first = _prepare(setup, training=training)
+    again = _prepare(setup, training=training)
+    assert first.filled and not again.filled and again.folder == first.folder  # control: same key, no rebuild
+    expected = encode_rows(training.rows, setup.tokenizer, max_length=64)
+    got = again.train.to_list()
+    assert [(e["input_ids"], e["labels"], e["row_index"]) for e in got] == [
+        (e["input_ids"], e["labels"], e["row_index"]) for e in expected]
+    assert again.val.num_rows == training.n_val == 4
+    assert again.train.cache_files and again.train.cache_files[0]["filename"].startswith(str(again.folder))
+
+
+def _with_new_token(tokenizer, folder: Path):
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(folder))
+    changed = AutoTokenizer.from_pretrained(str(folder))
+    changed.add_tokens(["question"])  # the tokenizer files change: "question" is one token now
+    changed.save_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("component", ["data file", "tokenizer files", "chat template", "max length", "packing",
+                                       "encoding version", "soup version"])
+def test_changing_a_key_component_rebuilds(setup, component, monkeypatch):
+    import copy
+
+    import soup_core
+
+    first = _prepare(setup)
+    assert first.filled and not _prepare(setup).filled
+    if component == "data file":
+        again = _prepare(setup, training=setup.training([*ROWS[:-1], {"messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "changed"}]}]))
+    elif component == "tokenizer files":
+        again = _prepare(setup, tokenizer=_with_new_token(setup.tokenizer, setup.tmp / "tok"))
+    elif component == "chat template":
+        other = copy.deepcopy(setup.tokenizer)
+        other.chat_template = setup.tokenizer.chat_template.replace("<|end|>", "<|end|> ")
+        again = _prepare(setup, tokenizer=other)
+    elif component == "max length":
+        again = _prepare(setup, config=_config(max_length=32))
+    elif component == "packing":
+        again = _prepare(setup, config=_config(packing=True))
+    elif component == "encoding version":
+        task = type("SFTTask", (type(setup.task),), {"encode": type(setup.task).encode, "encoding_version": 2,
+                                                      "__module__": type(setup.task).__module__})()
+        again = _prepare(setup, task=task)
+    else:
+        monkeypatch.setattr(soup_core, "__version__", soup_core.__version__ + ".post1")
+        again = _prepare(setup)
+    assert again.filled and again.folder != first.folder
+
+
+def test_concurrent_fillers_fill_once_and_a_failed_fill_leaves_nothing(soup_home):
+    from soup_core.data.cache import cache_root, entries, filled
+
+    calls: list[int] = []
+
+    def fill(folder: Path) -> dict:
+        calls.append(1)
+        time.sleep(0.3)  # long enough for the other filler to arrive and wait on the lock
+        (folder / "x.bin").write_bytes(b"1" * 10)
+        return {"n": 1}
+
+    results: list[tuple[Path, bool]] = []
+    threads = [threading.Thread(target=lambda: results.append(filled("t", {"k": 1}, fill))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and sorted(r[1] for r in results) == [False, False, True]
+    assert len({r[0] for r in results}) == 1
+
+    def broken(folder: Path) -> dict:
+        (folder / "half.bin").write_bytes(b"1")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        filled("t", {"k": 2}, broken)
+    assert [e["parts"] for e in entries()] == [{"k": 1}]
+    assert sorted(p.name for p in cache_root().iterdir() if p.is_dir()) == [results[0][0].name]
+
+
+def test_the_cache_is_bounded_least_recently_used_first(soup_home, monkeypatch):
+    from soup_core.data.cache import entries, filled
+
+    def fill(folder: Path) -> dict:
+        (folder / "x.bin").write_bytes(b"1" * 400_000)
+        return {}
+
+    monkeypatch.setenv("SOUP_DATA_CACHE_GB", str(1_000_000 / 1024**3))  # room for two entries
+    a, _ = filled("t", {"k": "a"}, fill)
+    time.sleep(0.02)
+    filled("t", {"k": "b"}, fill)
+    time.sleep(0.02)
+    assert not filled("t", {"k": "a"}, fill)[1]  # a is used again: b is now the least recently used
+    time.sleep(0.02)
+    filled("t", {"k": "c"}, fill)
+    assert sorted(e["parts"]["k"] for e in entries()) == ["a", "c"]
+
+
+def test_dry_run_fills_the_cache_train_reads_it_and_soup_cache_lists_and_clears(tmp_path, soup_home, tiny_model):
+    write_jsonl(tmp_path / "train.jsonl", ROWS)
+    write_yaml(tmp_path / "soup.yaml", {"base": str(tiny_model), "task": "sft", "output": str(tmp_path / "out"),
+                                        "data": {"train": "train.jsonl", "max_length": 64},
+                                        "training": {"max_steps": 2, "batch_size": 2}})
+    env = {"SOUP_HOME": str(soup_home)}
+    dry = run_soup(["train", "--config", str(tmp_path / "soup.yaml"), "--dry-run"], env=env, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert "prepared data encoded now" in dry.stdout
+    train = run_soup(["train", "--config", str(tmp_path / "soup.yaml")], env=env, cwd=tmp_path, timeout=300)
+    assert train.returncode == 0, train.stderr
+    assert "40 encoded rows from the cache" in train.stdout and "tokenising" not in train.stdout
+    listed = run_soup(["cache", "list"], env=env)
+    assert listed.returncode == 0 and "1 entries" in listed.stdout and "encoded" in listed.stdout
+    cleared = run_soup(["cache", "clear"], env=env)
+    assert cleared.returncode == 0 and "removed 1 entries" in cleared.stdout
+    assert "0 entries" in run_soup(["cache", "list"], env=env).stdout
+
+
+def test_a_subclass_that_overrides_encode_without_its_own_version_is_not_cached(setup):
+    from soup_core.default_plugins.prepared import cacheable
+
+    class Weighted(type(setup.task)):
+        def encode(self, rows, tokenizer, config):
+            return [{**e, "weight": 2.0} for e in super().encode(rows, tokenizer, config)]
+
+    class Versioned(Weighted):  # declares a version beside its encode
+        encoding_version = 1
+        encode = Weighted.encode
+
+    assert cacheable(setup.task) and not cacheable(Weighted()) and cacheable(Versioned())
