@@ -148,3 +148,25 @@ def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
     assert final.keys() == whole.keys() and all(np.array_equal(final[k], whole[k]) for k in final)
     middle = _weights(out / "checkpoint-3")
     assert any(not np.array_equal(middle[k], whole[k]) for k in whole)
+
+
+def test_an_output_folder_that_cannot_be_made_is_refused_before_training(
+    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_data(8)
+    (tmp_path / "taken").write_text("a file")
+    for output in ("./taken/run", "./free/run"):
+        (tmp_path / "soup.yaml").write_text(
+            f"base: {tiny_model}\nbackend: mlx\noutput: {output}\ndata:\n  train: data.jsonl\n"
+            "training:\n  max_steps: 1\n",
+            encoding="utf-8",
+        )
+        for dry in (["--dry-run"], []):
+            code = _soup(["train", *dry])
+            err = capsys.readouterr().err
+            if output == "./free/run":  # control: a folder that can be made
+                assert code == 0, err
+                continue
+            assert code == 1 and f"'{tmp_path / 'taken'}' is a file, so the output folder" in err, err
+            assert "Errno" not in err and not (tmp_path / "taken").is_dir()

@@ -204,6 +204,11 @@ def run_train_command(
     if plan.finished:
         console.print(escape(plan.finished))
         return 0
+    from soup_core.default_plugins.transformers.checks import output_problem
+
+    problem = output_problem(plan.output_dir)  # whatever the backend: one it has no pre-flight check for
+    if problem:
+        return fail(problem)
     if dry_run or nproc > 1:  # what rank 0's claim of the output folder would refuse, before any process starts
         from soup_core.outputs import OutputRefused, check_free, resumes_into
 
