@@ -82,6 +82,10 @@ class TrainingConfig(_Section):
     quantization: Literal["none", "4bit", "8bit"] = Field("none", description="Load the base model quantised.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantise the 4-bit quantisation constants.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+    sharding: Literal["none", "fsdp", "zero2", "zero3"] = Field(
+        "none", description="Shard the model over the processes: FSDP2, or DeepSpeed ZeRO stage 2/3."
+    )
+    cpu_offload: bool = Field(False, description="With sharding: keep parameters and optimizer state on the CPU.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="The adapter.")
     save_steps: int | None = Field(None, ge=1, description="Save a checkpoint every N steps.")
     save_total_limit: int | None = Field(

@@ -195,7 +195,7 @@ def run_train_command(
     try:
         # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
         # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do
-        with _world_size(nproc if nproc > 1 and not dry_run else None):
+        with _world_size(nproc if nproc > 1 else None):
             plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
     except DataError as exc:
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))

@@ -53,9 +53,12 @@ def _report_to(value: Iterable[str] | str | None) -> list[str] | str:
     return names
 
 
-def build_training_args(config: Any, output_dir: Path, *, has_eval: bool, run_name: str = "") -> Any:
+def build_training_args(
+    config: Any, output_dir: Path, *, has_eval: bool, run_name: str = "", model: Any = None
+) -> Any:
     """The ``trl.SFTConfig`` for a run, every value taken from the config (none left to trl's defaults
-    where they differ from transformers', e.g. ``bf16`` and ``gradient_checkpointing``)."""
+    where they differ from transformers', e.g. ``bf16`` and ``gradient_checkpointing``); ``model`` names
+    the layers ``training.sharding`` wraps."""
     import torch
     from trl import SFTConfig
 
@@ -86,6 +89,9 @@ def build_training_args(config: Any, output_dir: Path, *, has_eval: bool, run_na
     checkpointing: dict[str, Any] = {"gradient_checkpointing": gc, "gradient_checkpointing_kwargs": gc_kwargs}
     if "activation_checkpointing" in getattr(SFTConfig, "__dataclass_fields__", {}):
         checkpointing.update(activation_checkpointing=gc, activation_checkpointing_kwargs=gc_kwargs)
+    from soup_core.default_plugins.transformers.sharding import training_kwargs
+
+    checkpointing.update(training_kwargs(config, model))  # FSDP checkpoints activations itself
     return SFTConfig(
         output_dir=str(output_dir),
         run_name=run_name or None,
@@ -194,6 +200,8 @@ class PreparedRun:
             "output_dir": str(ctx.output_dir),
             "adapter": self.adapter,
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            # training.sharding: weights held as shards (DTensors), so a run can show that it was sharded
+            "sharded_parameters": sum(1 for p in model.parameters() if hasattr(p, "to_local")),
             "resumed_from_step": resumed,
             "tokens_seen": trainer.soup_tokens_seen,
         }
@@ -236,6 +244,7 @@ class TransformersBackend(Backend):
             Path(ctx.output_dir),
             has_eval=bool(val_rows),
             run_name=str(getattr(config, "experiment_name", "") or ctx.run_id),
+            model=model,
         )
         progress = (
             ProgressDisplay(logging_steps=int(config.training.logging_steps), report=say) if ctx.rank == 0 else None

@@ -22,7 +22,9 @@ def soup_register_backends() -> list[type]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS)]
+    from soup_core.default_plugins.transformers.sharding import SHARDING_FIELDS
+
+    return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS | SHARDING_FIELDS)]
 
 
 def _stack_installed() -> ProbeResult:
@@ -85,10 +87,11 @@ def soup_preflight(config: Any) -> PreflightReport | None:
                 fix="remove training.watchdog, or train with backend: transformers")
         return None
     from soup_core.default_plugins.transformers.checks import base_problem, output_problem, report_to_problem
+    from soup_core.default_plugins.transformers.sharding import sharding_problem
     from soup_core.run import output_dir_for
 
     problem = (base_problem(str(config.base)) or report_to_problem(config.training.report_to)
-               or output_problem(output_dir_for(config)))
+               or output_problem(output_dir_for(config)) or sharding_problem(config))
     return PreflightReport(refusal=problem) if problem else None
 
 

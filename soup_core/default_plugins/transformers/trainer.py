@@ -283,6 +283,12 @@ class SoupTrainerMixin:
         """Input tokens (padding excluded) of every training micro-batch so far, on this rank."""
         return int(self._soup_tokens)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        from soup_core.default_plugins.transformers.sharding import enable_on_cpu
+
+        enable_on_cpu(self)  # accelerate alone would train a CPU run unsharded
+
     # -------------------------------------------------------------------- row order
 
     def _soup_epoch(self) -> int:
