@@ -170,3 +170,22 @@ def test_an_output_folder_that_cannot_be_made_is_refused_before_training(
                 continue
             assert code == 1 and f"'{tmp_path / 'taken'}' is a file, so the output folder" in err, err
             assert "Errno" not in err and not (tmp_path / "taken").is_dir()
+
+
+def test_the_dry_run_checks_the_base_on_mlx(tmp_path: Path, tiny_model: Path, write_data, monkeypatch,
+                                            capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_data(8)
+    for base in (tmp_path / "moved-away", tiny_model):
+        (tmp_path / "soup.yaml").write_text(
+            f"base: {base}\nbackend: mlx\noutput: ./out\ndata:\n  train: data.jsonl\n"
+            "training:\n  max_steps: 1\n",
+            encoding="utf-8",
+        )
+        code = _soup(["train", "--dry-run"])
+        err = capsys.readouterr().err
+        if base == tiny_model:  # control: the real model folder passes
+            assert code == 0, err
+        else:
+            assert code == 1 and f"base: model folder '{base}' does not exist" in err, err
+            assert "Traceback" not in err

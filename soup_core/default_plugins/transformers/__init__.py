@@ -8,7 +8,8 @@ What a plugin imports from here (docs/plugins.md, "The trainer seam"):
 - the backend: :data:`HONOURED_FIELDS` (the support row of ``(transformers, sft)``), :class:`BackendError`,
   :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`resolve_dtype`, :func:`resolve_target_modules`,
   :func:`merge_adapter`, :class:`TransformersBackend`;
-- a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`.
+- a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`;
+- :func:`base_problem`: what a dry run can check of a base without loading its weights.
 
 Importing this package imports nothing: each name loads its module on first use (the trainer's brings torch,
 transformers and trl), so a plugin module that ``soup --help`` imports may name them inside functions.
@@ -33,6 +34,7 @@ _EXPORTS = {
     **dict.fromkeys(("RowCollator", "SoupSFTTrainer", "SoupTrainerMixin", "TrainerSetup", "datasets_for",
                      "row_sums"), "trainer"),
     **dict.fromkeys(("build_tiny_model", "build_tiny_tokenizer", "tiny_model_dir"), "tiny"),
+    "base_problem": "checks",
 }
 
 __all__ = sorted(_EXPORTS)

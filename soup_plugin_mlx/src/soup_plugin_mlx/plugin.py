@@ -1,5 +1,5 @@
-"""The ``mlx`` plugin: registers the MLX backend, its (mlx, sft) support row, its probes, the model loader
-for ``backend: mlx`` and ``soup export``.
+"""The ``mlx`` plugin: registers the MLX backend, its (mlx, sft) support row, its probes, its pre-flight check
+of the base, the model loader for ``backend: mlx`` and ``soup export``.
 
 Registration is cheap (docs/architecture.md): nothing here imports mlx, mlx-lm or transformers.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from soup_core import Command, LoadedModel, Probe, Support, hookimpl
+from soup_core import Command, LoadedModel, PreflightReport, Probe, Support, hookimpl
 from soup_plugin_mlx.backend import MLXBackend
 from soup_plugin_mlx.probes import device_computes, installed
 from soup_plugin_mlx.support import HONOURED_FIELDS, REFUSED_REASONS
@@ -51,3 +51,15 @@ def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
     from soup_plugin_mlx.model import load_model_and_tokenizer
 
     return load_model_and_tokenizer(config)
+
+
+@hookimpl
+def soup_preflight(config: Any) -> PreflightReport | None:
+    """The base is a model folder whose config and tokenizer load, or a cached hub id when offline: so a dry
+    run fails where the run would, before any weights load."""
+    if getattr(config, "backend", None) != MLXBackend.name:
+        return None
+    from soup_core.default_plugins.transformers import base_problem
+
+    problem = base_problem(str(config.base))
+    return PreflightReport(refusal=problem) if problem else None
