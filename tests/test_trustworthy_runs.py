@@ -279,6 +279,21 @@ def test_command_line_paths_are_from_the_working_directory_config_paths_from_its
     assert result.exit_code == 1 and str(tmp_path / "proj-only.jsonl") in result.output, result.output
 
 
+def test_a_base_typed_on_the_command_line_is_recorded_from_the_working_directory(
+        tiny_model: Path, tmp_path: Path, soup_home: Path, monkeypatch) -> None:
+    (tmp_path / "proj").mkdir()
+    cfg = chat_config(tmp_path / "proj", "unused")
+    (tmp_path / "mymodel").symlink_to(tiny_model)
+    monkeypatch.chdir(tmp_path)
+    result = soup(["train", "-c", str(cfg), "--dry-run", "--base", "mymodel"], soup_home)
+    assert result.exit_code == 0, result.output
+    assert f"base {tiny_model.resolve()}" in " ".join(result.stdout.split())  # absolute: soup merge finds it later
+    # control: a hub id reads like a relative path and stays one (offline, it is looked up in the cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = soup(["train", "-c", str(cfg), "--dry-run", "--base", "soup-test-org/mymodel"], soup_home)
+    assert result.exit_code == 1 and "'soup-test-org/mymodel' is a hub model id" in result.output, result.output
+
+
 # ------------------------------------------------------------------------------- noise and progress
 
 NOISE = "gemm_4bit_forward from kernels-community"

@@ -86,6 +86,11 @@ def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
         value = out.get(key)
         if isinstance(value, str) and value and not Path(os.path.expanduser(value)).is_absolute():
             out[key] = str(Path.cwd() / value)
+    base = out.get("base")
+    # a base is a path only where it names one: a hub id (org/name) reads like a relative path too
+    if isinstance(base, str) and not Path(os.path.expanduser(base)).is_absolute():
+        if base.startswith(("./", "../")) or Path(base).is_dir():
+            out["base"] = str((Path.cwd() / base).resolve())
     return out
 
 
