@@ -102,6 +102,37 @@ def load_target(spec: str) -> tuple[Any, Any]:
     return target, loaded
 
 
+Completed = list[tuple[Any, list[int], str]]  # each prompt, its generated ids, their text
+
+
+def complete(loaded: Any, spec: Any, *, rows: list[dict[str, Any]], typed: list[str], system: str | None,
+             sampling: Any, batch_size: int, progress: Callable[[int], None] | None = None) -> Completed:
+    """Each prompt (the prompt side of ``rows``, else the ``typed`` prompts in the run's format), its generated
+    ids and their text, in order: what ``soup generate`` does once the model is loaded."""
+    from soup_plugin_eval.model import generate as run_generate
+    from soup_plugin_eval.prompts import row_prompt, typed_prompt
+
+    if rows:
+        prompts = [row_prompt(i, row, loaded.tokenizer) for i, row in enumerate(rows)]
+    else:
+        prompts = [typed_prompt(i, text, loaded.tokenizer, data_format=spec.data_format, system=system)
+                   for i, text in enumerate(typed)]
+    ids = run_generate(loaded, [p.ids for p in prompts], sampling, batch_size=batch_size, progress=progress)
+    return [(p, row, loaded.tokenizer.decode(row, skip_special_tokens=True)) for p, row in zip(prompts, ids,
+                                                                                              strict=True)]
+
+
+def predictions(done: Completed) -> str:
+    """``--output``'s JSON Lines: one line per prompt, with its index."""
+    lines = []
+    for p, row, text in done:
+        record = {"index": p.index, "prompt": p.text, "completion": text, "tokens": row}
+        if p.reference is not None:
+            record["reference"] = p.reference
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    return "".join(lines)
+
+
 def generate(
     target: str = typer.Argument(..., metavar="TARGET", help=TARGET_HELP),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (repeatable)."),
@@ -127,8 +158,7 @@ def generate(
             raise Fail("--top-p samples, so it needs --temperature above 0 (greedy ignores it)", 2)
         from soup_core import atomic_write, load_plugins
         from soup_plugin_eval.model import Sampling
-        from soup_plugin_eval.model import generate as run_generate
-        from soup_plugin_eval.prompts import read_rows, row_prompt, typed_prompt
+        from soup_plugin_eval.prompts import read_rows
 
         rows: list[dict[str, Any]] = []
         if input_file is not None:
@@ -138,30 +168,18 @@ def generate(
             if system:
                 raise Fail("--system applies to typed prompts; the rows of --input carry their own messages", 2)
         spec, loaded = load_target(target)
-        if rows:
-            prompts = [row_prompt(i, row, loaded.tokenizer) for i, row in enumerate(rows)]
-        else:
-            prompts = [typed_prompt(i, text, loaded.tokenizer, data_format=spec.data_format, system=system)
-                       for i, text in enumerate(prompt)]
-        progress = Progress("generating", len(prompts)) if input_file is not None else None
-        ids = run_generate(loaded, [p.ids for p in prompts],
-                           Sampling(max_new_tokens, temperature, top_p, seed), batch_size=batch_size,
-                           progress=progress)
-        texts = [loaded.tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        progress = Progress("generating", len(rows)) if input_file is not None else None
+        done = complete(loaded, spec, rows=rows, typed=prompt, system=system,
+                        sampling=Sampling(max_new_tokens, temperature, top_p, seed), batch_size=batch_size,
+                        progress=progress)
         if output is None:
-            for text in texts:
+            for _, _, text in done:
                 typer.echo(text)
             return
-        lines = []
-        for p, row, text in zip(prompts, ids, texts, strict=True):
-            record = {"index": p.index, "prompt": p.text, "completion": text, "tokens": row}
-            if p.reference is not None:
-                record["reference"] = p.reference
-            lines.append(json.dumps(record, ensure_ascii=False))
         try:
-            atomic_write(output, "".join(line + "\n" for line in lines))
+            atomic_write(output, predictions(done))
         except OSError as exc:
             raise Fail(f"--output {output}: {exc}") from None
-        status(f"wrote {len(lines)} completions to {output}")
+        status(f"wrote {len(done)} completions to {output}")
 
     run_command(body)

@@ -34,8 +34,11 @@ def load(target: Target) -> Loaded:
         return _load_mlx(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from soup_core.default_plugins.transformers import resolve_dtype
+
+    hf_logging.disable_progress_bar()  # a bar per load is noise in a command that prints results
 
     dtype = resolve_dtype(target.config.training.dtype)
     if dtype == torch.float16 and not torch.cuda.is_available():
