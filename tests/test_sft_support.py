@@ -75,6 +75,15 @@ def case_data_packing(sft_run, rows, tmp_path):
     assert int((batch["position_ids"][0] == 0).sum()) == 4 and batch["token_slot"].max().item() == 3
 
 
+def case_data_chat_template(sft_run, rows, tmp_path):
+    from soup_core.default_plugins.chat_templates import TEMPLATES
+
+    run, _ = sft_run(rows(6), data={"chat_template": "chatml"})
+    assert run.setup.tokenizer.chat_template == TEMPLATES["chatml"]
+    text = run.setup.tokenizer.decode(run.trainer.train_dataset[0]["input_ids"])
+    assert "<|im_start|>assistant" in text and "<|assistant|>" not in text
+
+
 def case_training_epochs(sft_run, rows, tmp_path):
     run, _ = sft_run(rows(8), training={"max_steps": None, "epochs": 2})
     assert run.trainer.args.num_train_epochs == 2 and run.trainer.args.max_steps == -1

@@ -57,8 +57,9 @@ def _ids(encoding: Any) -> list[int]:
 def _encode_chat(messages: Sequence[Mapping[str, str]], tokenizer: Any, responses_only: bool):
     if not getattr(tokenizer, "chat_template", None):
         raise EncodingError(
-            "the tokenizer has no chat template, so chat rows cannot be rendered; use a model with a chat "
-            "template, or give the data as prompt/completion or text rows"
+            "the tokenizer has no chat template, so chat rows cannot be rendered; set data.chat_template (chatml, "
+            "llama3, zephyr, simple, or Jinja text), use a model with a chat template, or give the data as "
+            "prompt/completion or text rows"
         )
     messages = [dict(m) for m in messages]
     if not responses_only:

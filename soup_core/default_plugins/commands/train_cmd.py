@@ -244,6 +244,8 @@ def run_train_command(
             console.print("  " + escape(token_length_summary(config, plan, plugins=plugins)))
         except DataError as exc:
             return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
+        except ValueError as exc:  # the task cannot encode a row (sft's EncodingError): says which and why
+            return fail(str(exc))
         console.print("[green]Dry run passed:[/] config, plugins, probes and data are valid. No model was loaded.")
         return 0
     from soup_core.interrupts import RunInterrupted, interruptible
@@ -403,10 +405,12 @@ def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
         return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
     from soup_core.data import check_supervision
+    from soup_core.default_plugins import chat_templates
     from soup_core.default_plugins.prepared import cacheable, length_summary
     from soup_core.progress import RowProgress
     from soup_core.ui import console
 
+    chat_templates.apply(tokenizer, config)
     if cacheable(task):  # the dry run fills the data cache that soup train then reads
         return length_summary(task, training, tokenizer, config, report=console.print)
     rows = RowProgress(training.rows, what="tokenising the training rows", report=console.print)

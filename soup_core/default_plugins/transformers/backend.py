@@ -18,7 +18,7 @@ from soup_core.probes import module_findable
 #: Every config path this backend honours for the sft task (its support-table row).
 HONOURED_FIELDS: frozenset[str] = frozenset({
     "data.train", "data.format", "data.val_split", "data.seed", "data.max_length", "data.train_on_responses_only",
-    "data.on_bad_row", "data.packing",
+    "data.on_bad_row", "data.packing", "data.chat_template",
     "training.epochs", "training.max_steps", "training.learning_rate", "training.batch_size",
     "training.gradient_accumulation_steps", "training.scheduler", "training.warmup_ratio", "training.weight_decay",
     "training.max_grad_norm", "training.seed", "training.dtype", "training.quantization",
@@ -220,6 +220,7 @@ class TransformersBackend(Backend):
         from transformers import set_seed
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+        from soup_core.default_plugins import chat_templates
         from soup_core.default_plugins.transformers.loading import apply_lora
         from soup_core.default_plugins.transformers.progress import ProgressDisplay
         from soup_core.default_plugins.transformers.trainer import EvalMetricsCallback, TrainerSetup
@@ -231,6 +232,7 @@ class TransformersBackend(Backend):
         set_seed(seed)
         loaded = ctx.load_model()
         model, tokenizer = loaded.model, loaded.tokenizer
+        chat_templates.apply(tokenizer, config)  # whoever loaded it: the run's template is the one saved
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         adapter = isinstance(model, PeftModel)

@@ -67,6 +67,10 @@ def soup_register_config_fields() -> list[ConfigField]:
         description="Skip an update whose loss or gradient is not finite, and stop a run that keeps "
         "failing or diverges (exit 1, weights from before the first bad update). Default: on where the "
         "backend runs it; true refuses a backend that cannot; false turns it off.",
+    ), ConfigField(
+        path="data.chat_template", annotation="soup_core.default_plugins.chat_templates:ChatTemplate",
+        description="The chat template chat rows are rendered with: a name Soup ships (chatml, llama3, zephyr, "
+        "simple) or Jinja text; default: the tokenizer's own.",
     )]
 
 
