@@ -47,7 +47,8 @@ def dist_env() -> tuple[int, int]:
 def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan:
     """Everything before the model: requirements, probes, pre-flight, data. Raises RunRefused or
     soup_core.data.DataError."""
-    from soup_core.data import build_training_list, summarize
+    from soup_core.data import summarize
+    from soup_core.data.rows_cache import cached_training_list
 
     _, world_size = dist_env()
     backend_cls = plugins.backends.get(config.backend)
@@ -72,7 +73,7 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
         attr = key.split(".", 1)[1]
         if getattr(config.data, attr, None) is None:
             continue  # optional data keys (required ones were enforced by the config)
-        training = build_training_list(
+        training = cached_training_list(  # read, validated and stored once per content of the files
             config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None
         )
         plan.data[attr] = training

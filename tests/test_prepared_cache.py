@@ -190,3 +190,33 @@ def test_a_subclass_that_overrides_encode_without_its_own_version_is_not_cached(
         encode = Weighted.encode
 
     assert cacheable(setup.task) and not cacheable(Weighted()) and cacheable(Versioned())
+
+
+def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_path, soup_home):
+    from soup_core.data import build_training_list
+    from soup_core.data.rows_cache import ArrowRows, cached_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
+
+    formats = {f.name: f for f in BUILTIN_FORMATS}
+    write_jsonl(tmp_path / "a.jsonl", [*ROWS[:20], {"messages": "not a list"}])
+    write_jsonl(tmp_path / "b.jsonl", ROWS[20:])
+    data = {"train": ["a.jsonl", "b.jsonl"], "val_split": 0.2, "seed": 3, "on_bad_row": "skip", "format": "chat"}
+
+    def both():
+        return (build_training_list(data, formats=formats, base_dir=tmp_path),
+                cached_training_list(data, formats=formats, base_dir=tmp_path))
+
+    built, cached = both()
+    assert isinstance(cached.rows, ArrowRows)
+    for name in ("fingerprint", "format", "source", "detected", "n_rows", "n_val"):
+        assert getattr(cached, name) == getattr(built, name), name
+    assert list(cached.rows) == built.rows and list(cached.val_rows) == built.val_rows
+    assert cached.rows[5] == built.rows[5] and cached.rows[-1] == built.rows[-1]
+    assert list(cached.origins) == built.origins and cached.origins[19] == built.origins[19]
+    assert [str(e) for e in cached.skipped] == [str(e) for e in built.skipped] and len(built.skipped) == 1
+    again = cached_training_list(data, formats=formats, base_dir=tmp_path)
+    assert again.rows.path == cached.rows.path  # control: same files, same entry
+    write_jsonl(tmp_path / "b.jsonl", ROWS[20:-1])  # one row fewer in the second file
+    built, cached = both()
+    assert cached.rows.path != again.rows.path and cached.n_rows == built.n_rows
+    assert list(cached.rows) == built.rows and cached.fingerprint == built.fingerprint

@@ -29,7 +29,11 @@ def list_cache() -> None:
     for entry in listed:
         parts = entry["parts"]
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry["used"]))
-        what = f"task {parts.get('task', '?')}, max_length {parts.get('data', {}).get('max_length', '?')}"
+        if entry["kind"] == "rows":  # the training list of some data files
+            what = "rows of " + ", ".join(str(f[0]) for f in parts.get("files", []))
+        else:
+            task = parts.get("task") or ["?"]
+            what = f"task {task[0]}, max_length {parts.get('data', {}).get('max_length', '?')}"
         typer.echo(f"  {entry['name']}  {entry['kind']:<8} {_size(entry['bytes']):>9}  used {used}  {what}")
 
 
