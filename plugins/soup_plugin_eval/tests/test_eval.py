@@ -76,6 +76,7 @@ def test_val_scores_the_runs_validation_split(in_home: Runs, tmp_path: Path, tin
     from soup_core import build_training_list, load_plugins
     from soup_core.testing import train_in_process, write_jsonl
 
+    monkeypatch.setenv("SOUP_HOME", str(tmp_path / "home"))  # its own tracker: `latest` stays the session's
     data = write_jsonl(tmp_path / "rows.jsonl", sums(12))
     run = train_in_process({"data": {"train": str(data), "max_length": 64, "val_split": 0.25},
                             "training": {"max_steps": 1, "batch_size": 4}}, workdir=tmp_path, default_base=tiny_model)

@@ -17,13 +17,15 @@ pytest.importorskip("soup_plugin_mlx", reason="the mlx plugin is not installed")
 NEW = 10
 
 
-def test_mlx_adapter_generates_through_mlx_lm(in_home: Runs, tiny_model: Path, tmp_path: Path) -> None:
+def test_mlx_adapter_generates_through_mlx_lm(in_home: Runs, tiny_model: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from mlx_lm import generate as mlx_generate
     from mlx_lm import load, stream_generate
     from transformers import AutoTokenizer
 
     from soup_core.testing import train_in_process
 
+    monkeypatch.setenv("SOUP_HOME", str(tmp_path / "home"))  # its own tracker: `latest` stays the session's
     run = train_in_process({"backend": "mlx", "data": {"train": str(in_home.data), "max_length": 64},
                             "training": {"batch_size": 4, "learning_rate": 0.01, "max_steps": 3,
                                          "lora": {"dropout": 0.0}}}, workdir=tmp_path, default_base=tiny_model)
