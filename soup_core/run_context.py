@@ -96,3 +96,10 @@ class RunContext:
         signum = pending()
         if signum:
             raise RunInterrupted(signum, checkpoint=save(), step=step)
+
+    def said_if_slow(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """``with context.said_if_slow("saving checkpoint-4"):`` around one long call (saving a model): rank 0
+        says so once it has run about two seconds, and how long it took (:func:`soup_core.progress.said_if_slow`)."""
+        from soup_core.progress import said_if_slow
+
+        return said_if_slow(what, self.report if self.rank == 0 else (lambda message: None))

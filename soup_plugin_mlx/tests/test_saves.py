@@ -189,3 +189,25 @@ def test_the_dry_run_checks_the_base_on_mlx(tmp_path: Path, tiny_model: Path, wr
         else:
             assert code == 1 and f"base: model folder '{base}' does not exist" in err, err
             assert "Traceback" not in err
+
+
+def test_saving_says_so_when_slow(tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys) -> None:
+    import soup_core.progress
+
+    monkeypatch.chdir(tmp_path)
+    write_data(8)
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {tiny_model}\nbackend: mlx\noutput: ./out\ndata:\n  train: data.jsonl\n"
+        "training:\n  max_steps: 2\n  save_steps: 2\n",
+        encoding="utf-8",
+    )
+    assert _soup(["train"]) == 0
+    out = capsys.readouterr().out
+    assert "saving checkpoint" not in out and "saving the trained" not in out  # control: a fast save is quiet
+    monkeypatch.setattr(soup_core.progress, "SLOW_AFTER_S", 0.0)  # every save counts as slow
+    assert _soup(["train", "--overwrite"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    final = f"saving the trained model to {tmp_path / 'out'}"
+    order = ["step 2/2", "saving checkpoint-2 ...", "saving checkpoint-2: done in", final + " ...",
+             final + ": done in"]
+    assert [out.index(line) for line in order] == sorted(out.index(line) for line in order), out

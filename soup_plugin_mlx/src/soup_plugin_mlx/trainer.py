@@ -399,7 +399,7 @@ class MLXRun:
         folder = self.output_dir / f"checkpoint-{self.global_step}"
         # whole or not at all: built in a temp folder, the trainer state (what marks it complete) last
         try:
-            with adapters.building(folder) as tmp:
+            with self.ctx.said_if_slow(f"saving {folder.name}"), adapters.building(folder) as tmp:
                 adapters.write_adapter(tmp, self.model, self._adapter_config())
                 adapters.save_safetensors(tmp / adapters.OPTIMIZER_STATE, self.optimizer.state_arrays())
                 adapters.write_json(
@@ -422,7 +422,10 @@ class MLXRun:
         if self.ctx.rank != 0:
             return
         try:
-            with adapters.filling(self.output_dir) as tmp:
+            with (
+                self.ctx.said_if_slow(f"saving the trained model to {self.output_dir}"),
+                adapters.filling(self.output_dir) as tmp,
+            ):
                 if self.info["adapter"]:
                     adapters.write_adapter(tmp, self.model, self._adapter_config())
                 else:
