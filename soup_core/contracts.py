@@ -254,8 +254,9 @@ class Controller:
     #: measures per-row losses even with no recorder, and gathers them from every rank.
     wants_rows: ClassVar[bool] = False
 
-    def on_run_start(self, event: RunStart) -> None:
-        """Called once before the first step."""
+    def on_run_start(self, event: RunStart) -> Sequence[ControllerAction] | None:
+        """Called once before the first step; may return ``ExcludeRows`` (rows out from the first step on,
+        as a resumed run restores them)."""
 
     def before_update(self, event: PendingUpdate) -> Sequence[ControllerAction]:
         """Called after a step's gradients are ready and before the optimizer applies them, with the same

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from soup_core.contracts import Controller, ControllerAction, Recorder
+from soup_core.contracts import Controller, ControllerAction, ExcludeRows, Recorder
 from soup_core.events import MicroBatch, OptimizerStep, PendingUpdate, RunEnd, RunStart
 
 
@@ -66,8 +66,10 @@ class RunEvents:
 
     def run_start(self, event: RunStart) -> None:
         self._fan_out("on_run_start", event)
+        self.start_exclusions: list[int] = []  # rows a controller excludes from the first step (a resume)
         for controller, plugin in self.controllers:
-            self._call_controller(controller, plugin, "on_run_start", event)
+            result = self._call_controller(controller, plugin, "on_run_start", event)
+            self.start_exclusions += [r for a in (result or ()) if isinstance(a, ExcludeRows) for r in a.rows]
 
     def micro_batch(self, event: MicroBatch) -> None:
         self._fan_out("on_micro_batch", event, only_wanting=True)

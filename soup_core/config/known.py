@@ -18,6 +18,7 @@ KNOWN_FIELDS: dict[str, str] = {
     "training.stream_source": "soup-plugin-streaming",
     "training.stream_pin": "soup-plugin-streaming",
     "training.rewind_log": "soup-plugin-rewind",
+    "training.spike_guard": "soup-plugin-rewind",
     "training.grpo_variant": "soup-plugin-rl",
     "training.num_generations": "soup-plugin-rl",
     "training.grpo_iterations": "soup-plugin-rl",

@@ -43,7 +43,6 @@ class UpdateGate:
         ctx = setup.ctx
         self.trainer, self.ctx = trainer, ctx
         self.events = ctx.events
-        self.wants_rows = bool(getattr(self.events, "wants_rows", False))
         config = ctx.config
         self.watchdog = None
         if watchdog_enabled(config):
@@ -64,6 +63,11 @@ class UpdateGate:
         raw = os.environ.get(INJECT_ENV, "")
         self.inject: set[int] | str = "all" if raw == "all" else {int(s) for s in raw.split(",") if s.strip()}
 
+    @property
+    def wants_rows(self) -> bool:
+        """Whether a controller reads the step's rows (known once the run has started)."""
+        return bool(getattr(self.events, "wants_rows", False))
+
     # ------------------------------------------------------------------ micro-batches
 
     def poison(self, step: int, result: Any) -> Any:
@@ -80,6 +84,10 @@ class UpdateGate:
 
     def mask(self, batches: list[dict[str, Any]]) -> bool:
         """Mask the excluded rows' labels in these micro-batches; True when something was masked."""
+        restored = getattr(self.events, "start_exclusions", None)
+        if restored:
+            self.excluded.update(restored)
+            restored.clear()
         if not self.excluded:
             return False
         changed = False
@@ -186,9 +194,9 @@ class UpdateGate:
 
     def after_update(self, step: int, grad_norm: Any) -> dict[str, float]:
         """Metrics of the step just taken (``update_skipped``, ``update_ratio``); notes a blow-up."""
+        metrics: dict[str, float] = {"rows_excluded": float(len(self.excluded))} if self.excluded else {}
         if not self.applied:
-            return {"update_skipped": 1.0}
-        metrics: dict[str, float] = {}
+            return {**metrics, "update_skipped": 1.0}
         ratio = None
         if self.before is not None and self.params:
             with torch.no_grad():

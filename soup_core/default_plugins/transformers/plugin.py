@@ -79,7 +79,7 @@ def soup_preflight(config: Any) -> PreflightReport | None:
     """What this backend can check without loading weights (the base, report_to, the output path), so a dry
     run fails where the run would."""
     if getattr(config, "backend", None) != "transformers":
-        if config is None:
+        if getattr(config, "training", None) is None:
             return None
         watchdog = getattr(config.training, "watchdog", None)
         if watchdog is None:  # the watchdog lives in this backend's trainer

@@ -41,6 +41,49 @@ class RankedRow:
     nonfinite: bool
 
 
+class SpikeRule:
+    """The spike definition, online: :meth:`check` each step in order; its verdict uses earlier steps only.
+    ``soup rewind`` reads a whole log through it (:func:`find_spikes`) and the spike guard checks each step
+    before its update, so both flag exactly the same steps."""
+
+    def __init__(self, factor: float = SPIKE_FACTOR) -> None:
+        self.factor = factor
+        self.window: deque[float] = deque()
+        self.ordered: list[float] = []  # the window, kept sorted so the median is an index, not a sort
+
+    def baseline(self) -> float | None:
+        n = len(self.ordered)
+        if not n:
+            return None
+        mid = n // 2
+        return self.ordered[mid] if n % 2 else (self.ordered[mid - 1] + self.ordered[mid]) / 2.0
+
+    def check(self, step: int, loss: float | None) -> Spike | None:
+        """The spike at ``step`` (None when it is not one); a finite step then joins the history."""
+        if loss is None:
+            return None
+        baseline = self.baseline()
+        if not math.isfinite(loss):
+            return Spike(step, loss, baseline, None, "critical")
+        spike = None
+        if len(self.ordered) >= MIN_HISTORY and baseline is not None and loss > self.factor * baseline:
+            spike = Spike(step, loss, baseline, loss / baseline if baseline > 0 else math.inf, "warning")
+        self.window.append(loss)
+        bisect.insort(self.ordered, loss)
+        if len(self.window) > BASELINE_WINDOW:
+            old = self.window.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+        return spike
+
+    def state(self) -> list[float]:
+        """The history, oldest first (what a checkpoint keeps)."""
+        return list(self.window)
+
+    def restore(self, history: Iterable[float]) -> None:
+        self.window = deque(history)
+        self.ordered = sorted(self.window)
+
+
 def find_spikes(
     steps: Sequence[int], losses: Iterable[float | None], *, factor: float = SPIKE_FACTOR
 ) -> list[Spike]:
@@ -52,31 +95,10 @@ def find_spikes(
     least :data:`MIN_HISTORY` of them exist. Warnings join the history; criticals do not. Returned
     criticals first in step order, then warnings by ratio (highest first, ties by step).
     """
-    window: deque[float] = deque()
-    ordered: list[float] = []  # the window, kept sorted so the median is an index, not a sort
-    criticals: list[Spike] = []
-    warnings: list[Spike] = []
-    for step, loss in zip(steps, losses, strict=False):
-        if loss is None:
-            continue
-        n = len(ordered)
-        if n:
-            mid = n // 2
-            baseline = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
-        else:
-            baseline = None
-        if not math.isfinite(loss):
-            criticals.append(Spike(step, loss, baseline, None, "critical"))
-            continue
-        if n >= MIN_HISTORY and baseline is not None and loss > factor * baseline:
-            ratio = loss / baseline if baseline > 0 else math.inf
-            warnings.append(Spike(step, loss, baseline, ratio, "warning"))
-        window.append(loss)
-        bisect.insort(ordered, loss)
-        if len(window) > BASELINE_WINDOW:
-            old = window.popleft()
-            del ordered[bisect.bisect_left(ordered, old)]
-    warnings.sort(key=lambda s: (-(s.ratio or 0.0), s.step))
+    rule = SpikeRule(factor)
+    found = [spike for step, loss in zip(steps, losses, strict=False) if (spike := rule.check(step, loss))]
+    criticals = [s for s in found if s.severity == "critical"]
+    warnings = sorted((s for s in found if s.severity == "warning"), key=lambda s: (-(s.ratio or 0.0), s.step))
     return criticals + warnings
 
 
@@ -102,6 +124,11 @@ def rank_rows(rows: Iterable[RowStat]) -> list[RankedRow]:
 def advise(top: RankedRow | None) -> bool:
     """Whether to print "Inspect or drop this row, then retrain." for the step's top row."""
     return top is not None and (top.nonfinite or top.share >= ADVICE_SHARE)
+
+
+def advised_rows(ranked: Iterable[RankedRow]) -> list[RankedRow]:
+    """Every row the advice rule names: a non-finite one, or one with at least :data:`ADVICE_SHARE`."""
+    return [r for r in ranked if advise(r)]
 
 
 def recurring_rows(tops: Sequence[Sequence[int]], *, min_spikes: int = 2) -> list[tuple[int, int]]:

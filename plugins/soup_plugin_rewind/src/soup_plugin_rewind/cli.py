@@ -189,6 +189,9 @@ def run_report(
             out.print(f"… and {len(spikes) - MAX_SPIKES_SHOWN} more spikes (all of them are in --json)")
     else:
         out.print("No loss spikes recorded.")
+    for g in log.guards:  # what training.spike_guard did while the run trained
+        rows = ", ".join(f"row {r['row']} ({r['share']:.0%})" for r in g.get("rows") or [])
+        out.print(f"spike guard, step {g['step']}: update skipped" + (f"; quarantined {rows}" if rows else ""))
 
     # ---- recurring rows across spikes
     examined = spikes[: analysis.RECURRING_MAX_SPIKES]
@@ -238,7 +241,7 @@ def run_report(
             n_batches=log.n_batches, skipped={"blank": log.skipped.blank, "corrupt": log.skipped.corrupt,
             "truncated": log.skipped.truncated}, ranks=ranks, recurring=recurring,
             n_spikes_examined=len(examined), previews=shown_previews, preview_note=preview_note,
-            fingerprint=log.header.get("dataset_fingerprint"),
+            fingerprint=log.header.get("dataset_fingerprint"), guards=log.guards,
         )
         _write(destinations["--json"], report_mod.dumps_report(doc).encode("utf-8"), "--json", err)
 

@@ -132,6 +132,8 @@ class LogFile:
     run_ids: list[str] = field(default_factory=list)
     #: per-step (loss sum, tokens, non-finite flag) until :func:`read_log` has merged them
     totals: tuple[array, array, bytearray] | None = field(default=None, repr=False)
+    #: the spike guard's actions (``{"kind": "guard", "step", "action", "rows"}``), in step order
+    guards: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -164,6 +166,11 @@ class RewindLog:
         return sum(f.n_batches for f in self.files)
 
     @property
+    def guards(self) -> list[dict[str, Any]]:
+        """What the spike guard did, every rank's lines (rank 0 writes them), in step order."""
+        return sorted((g for f in self.files for g in f.guards), key=lambda g: g.get("step", 0))
+
+    @property
     def run_ids(self) -> list[str]:
         """Every run id the log names (its header's and its resume markers'), first seen first."""
         seen: list[str] = []
@@ -191,30 +198,36 @@ class RewindLog:
 
     def step_rows(self, step: int) -> list[RowStat]:
         """Every row of ``step`` over all micro-batches and ranks (read again from the files)."""
-        acc: dict[int, list[float]] = {}  # row -> [weighted, tokens, nonfinite]
+        batches = []
         for f in self.files:
             i = bisect.bisect_left(f.steps, step)
-            if i == len(f.steps) or f.steps[i] != step:
+            if i < len(f.steps) and f.steps[i] == step:
+                batches.extend(_read_range(f.path, f.first_off[i], f.end_off[i], step))
+        return row_stats(batches)
+
+
+def row_stats(batches: Iterable[tuple[Sequence[int], Sequence[float | None], Sequence[int]]]) -> list[RowStat]:
+    """One step's rows from its micro-batches' (rows, losses, tokens), each row summed over them; the
+    spike guard builds them from the live step, ``soup rewind`` from the log."""
+    acc: dict[int, list[float]] = {}  # row -> [weighted, tokens, nonfinite]
+    for rows, losses, toks in batches:
+        for r, loss, t in zip(rows, losses, toks, strict=False):
+            slot = acc.setdefault(r, [0.0, 0, 0])
+            if t <= 0:
                 continue
-            for rows, losses, toks in _read_range(f.path, f.first_off[i], f.end_off[i], step):
-                for r, loss, t in zip(rows, losses, toks, strict=False):
-                    slot = acc.setdefault(r, [0.0, 0, 0])
-                    if t <= 0:
-                        continue
-                    slot[1] += t
-                    if loss is None or not math.isfinite(loss):
-                        slot[2] = 1
-                    else:
-                        slot[0] += loss * t
-        out = []
-        for r, (weighted, toks, bad) in acc.items():
-            toks = int(toks)
-            if bad:
-                out.append(RowStat(r, math.nan, toks, 0.0, True))
+            slot[1] += t
+            if loss is None or not math.isfinite(loss):
+                slot[2] = 1
             else:
-                loss = weighted / toks if toks else math.nan
-                out.append(RowStat(r, loss, toks, weighted, False))
-        return out
+                slot[0] += loss * t
+    out = []
+    for r, (weighted, toks, bad) in acc.items():
+        toks = int(toks)
+        if bad:
+            out.append(RowStat(r, math.nan, toks, 0.0, True))
+        else:
+            out.append(RowStat(r, weighted / toks if toks else math.nan, toks, weighted, False))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- parsing
@@ -318,6 +331,7 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
     header: dict[str, Any] | None = None
     resumes: list[int] = []
     run_ids: list[str] = []
+    guards: list[dict[str, Any]] = []
     n_batches = 0
     cur = -1  # the step of the last entry
     ordered = True
@@ -438,6 +452,9 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
                             _take(a, keep) for a in (steps, loss_sum, tokens, nonfinite, first_off, end_off)
                         )
                     cur = steps[-1] if steps else -1
+                    guards = [g for g in guards if g["step"] <= from_step]
+                elif kind == "guard" and type(obj.get("step")) is int:
+                    guards.append(obj)
                 elif kind == "header":
                     skipped.corrupt += 1  # a second header: two logs glued together
                 elif type(obj) is not dict:
@@ -452,7 +469,8 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
             steps, loss_sum, tokens, nonfinite, first_off, end_off
         )
     return LogFile(
-        path, header, steps, first_off, end_off, skipped, n_batches, resumes, run_ids, (loss_sum, tokens, nonfinite)
+        path, header, steps, first_off, end_off, skipped, n_batches, resumes, run_ids, (loss_sum, tokens, nonfinite),
+        guards,
     )
 
 

@@ -6,7 +6,9 @@ command's module imports typer only.
 
 from __future__ import annotations
 
-from soup_core import Command, ConfigField, Recorder, hookimpl
+from typing import Literal
+
+from soup_core import Command, ConfigField, Recorder, Support, hookimpl
 
 #: Hook-API versions this plugin supports (min, max).
 SOUP_HOOK_API = (1, 1)
@@ -29,8 +31,29 @@ def soup_register_config_fields() -> list[ConfigField]:
             description="Write rewind.jsonl (each micro-batch's rows, losses and tokens) for soup rewind; "
             "false writes nothing.",
             observer=True,
-        )
+        ),
+        ConfigField(
+            path="training.spike_guard",
+            annotation=Literal["off", "skip", "quarantine"],
+            default="off",
+            description="Before an update, a spike by soup rewind's rule skips it (skip); quarantine also "
+            "excludes the rows rewind would name for the rest of the run (quarantine.jsonl).",
+        ),
     ]
+
+
+@hookimpl
+def soup_register_support() -> list[Support]:
+    # the guard needs a backend that vetoes updates and masks rows (transformers), and a task whose rows'
+    # losses are a token cross-entropy; other pairs refuse it
+    return [Support("transformers", "*", frozenset({"training.spike_guard"}), capability="token_cross_entropy")]
+
+
+@hookimpl
+def soup_register_controllers() -> list[type]:
+    from soup_plugin_rewind.guard import SpikeGuard
+
+    return [SpikeGuard]
 
 
 @hookimpl

@@ -22,6 +22,7 @@ class Rebuilt:
     reason: str = ""
     format: str = ""
     n_val: int = 0
+    origins: list[tuple[str, int]] | None = None  # each row's (file, line)
 
     @property
     def ok(self) -> bool:
@@ -75,7 +76,8 @@ def rebuild(config: dict[str, Any] | None, fingerprint: Any, output_dir: Path | 
             problem = f"Preview withheld: cannot rebuild the data set: {type(exc).__name__}: {exc}"
             continue
         if training.fingerprint == fingerprint:
-            return Rebuilt(training.rows, format=training.format, n_val=len(training.val_rows))
+            return Rebuilt(training.rows, format=training.format, n_val=len(training.val_rows),
+                           origins=list(training.origins))
         problem = WITHHELD
     return Rebuilt(None, problem)
 

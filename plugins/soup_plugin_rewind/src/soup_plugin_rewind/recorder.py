@@ -174,6 +174,7 @@ class RewindRecorder(Recorder):
         self._saw_batch = False
         self._task = ""
         self._backend = ""
+        self._key: tuple[str, int] = ("", 0)
 
     @property
     def wants_micro_batches(self) -> bool:  # type: ignore[override]
@@ -198,6 +199,10 @@ class RewindRecorder(Recorder):
             # The backend ran a step without reporting any row: this task cannot be attributed.
             self._off(f"the {self._task!r} task on the {self._backend!r} backend reports no per-row losses")
             return
+        from soup_plugin_rewind.guard import take_notes
+
+        for note in take_notes(self._key):  # what the spike guard did at this step, after its batches
+            self._buf.append(_dumps(note))
         self._guard(self._flush)
 
     def on_run_end(self, event: RunEnd) -> None:
@@ -233,6 +238,7 @@ class RewindRecorder(Recorder):
         self._task, self._backend = event.task, event.backend
         out = Path(event.output_dir)
         self._path = out / log_name(event.rank)
+        self._key = (str(out), event.rank)
         out.mkdir(parents=True, exist_ok=True)
         self._header = encode_header(
             backend=event.backend,

@@ -107,6 +107,7 @@ def build_report(
     previews: dict[int, str] | None,
     preview_note: str | None,
     fingerprint: Any,
+    guards: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The report: the original's keys (``run_id``, ``step``, ``spikes``, ``rows``) and ours beside them."""
     report: dict[str, Any] = {
@@ -125,7 +126,14 @@ def build_report(
             {"row": row, "spikes": n, "of": n_spikes_examined} for row, n in recurring
         ],
         "preview": preview_note,
+        # each spike the spike guard acted on: its action (skip, quarantine) and the rows it quarantined
+        "guard": [{"step": g["step"], "action": g.get("action"),
+                   "rows": [{"row": r["row"], "share": r["share"]} for r in g.get("rows") or []]} for g in guards],
     }
+    acted = {g["step"]: g.get("action") for g in guards}
+    for spike in report["spikes"]:
+        if spike["step"] in acted:
+            spike["guard"] = acted[spike["step"]]
     nulls: dict[str, str] = {}
     _number(step_loss, "no step detailed" if step is None else "no supervised tokens", report, "step_loss", nulls)
     if nulls:

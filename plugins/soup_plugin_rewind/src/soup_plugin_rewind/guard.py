@@ -1,0 +1,162 @@
+"""The spike guard (``training.spike_guard: off | skip | quarantine``): a controller that acts before an
+update, on exactly the steps ``soup rewind`` would flag.
+
+Each step's loss is the token-weighted mean of its rows (every micro-batch, every rank), as rewind computes
+it from the log, and :class:`SpikeRule` judges it from earlier steps only. On a spike the update is skipped;
+``quarantine`` also excludes the rows rewind's advice rule names (non-finite, or at least ``ADVICE_SHARE`` of
+the step's loss) for the rest of the run. Each action is a ``guard`` line in the rewind log (the recorder
+writes it after the step's micro-batches) and each quarantined row a line of ``quarantine.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from soup_core.contracts import Controller, ControllerAction, ExcludeRows, SkipUpdate
+from soup_core.events import PendingUpdate, RunStart
+from soup_plugin_rewind.analysis import SpikeRule, advised_rows, rank_rows
+from soup_plugin_rewind.logfile import LOG_NAME, row_stats
+
+MODES = ("off", "skip", "quarantine")
+QUARANTINE_FILE = "quarantine.jsonl"
+#: guard lines waiting for the rewind recorder of the same run and rank: (output dir, rank) -> lines
+NOTES: dict[tuple[str, int], list[dict[str, Any]]] = {}
+
+
+def take_notes(key: tuple[str, int]) -> list[dict[str, Any]]:
+    """The guard lines written since the last call, for the recorder to append after the step's batches."""
+    return NOTES.pop(key, [])
+
+
+def _mode(config: Any) -> str:
+    training = getattr(config, "training", None)
+    value = getattr(training, "spike_guard", None) if training is not None else None
+    return str(value or "off")
+
+
+def step_loss(rows: Sequence[Any]) -> float | None:
+    """The step's token-weighted loss from its :func:`row_stats`, as ``RewindLog.step_loss`` reads it."""
+    tokens = sum(r.tokens for r in rows if r.tokens > 0)
+    if tokens <= 0:
+        return None
+    if any(r.nonfinite for r in rows if r.tokens > 0):
+        return math.nan
+    return math.fsum(r.weighted for r in rows if r.tokens > 0) / tokens
+
+
+class SpikeGuard(Controller):
+    """Skips the update of a spiking step and, with ``quarantine``, excludes the rows behind it."""
+
+    name: ClassVar[str] = "spike_guard"
+    description: ClassVar[str] = "skip a spiking step's update; quarantine the rows behind it (spike_guard)"
+
+    def __init__(self) -> None:
+        self.mode = "off"
+        self.rule = SpikeRule()
+        self.quarantined: dict[int, dict[str, Any]] = {}  # row -> its quarantine.jsonl record
+        self.out: Path | None = None
+        self.rank = 0
+        self.start: RunStart | None = None
+        self._origins: list[tuple[str, int]] | None = None
+
+    @property
+    def wants_rows(self) -> bool:  # type: ignore[override]
+        return self.mode != "off"
+
+    def on_run_start(self, event: RunStart) -> Sequence[ControllerAction]:
+        self.mode = _mode(event.config)
+        if self.mode == "off":
+            return ()
+        self.start, self.out, self.rank = event, Path(event.output_dir), event.rank
+        NOTES.pop((str(self.out), self.rank), None)
+        if event.resumed_from_step is None:
+            if self.rank == 0:
+                (self.out / QUARANTINE_FILE).unlink(missing_ok=True)  # a fresh run quarantines afresh
+            return ()
+        return self._resume(int(event.resumed_from_step))
+
+    def _resume(self, step: int) -> Sequence[ControllerAction]:
+        """The state at the checkpoint: the rule's history from the log, the quarantine from its file."""
+        from soup_plugin_rewind.logfile import read_log
+
+        assert self.out is not None
+        log = self.out / LOG_NAME
+        if not log.is_file():
+            raise RuntimeError(
+                f"training.spike_guard: resuming needs the run's rewind log ({log}) to restore the guard "
+                "(training.rewind_log: true)"
+            )
+        found = read_log(log)
+        for i, at in enumerate(found.steps):
+            if at <= step:
+                self.rule.check(at, found.step_loss(i))
+        path = self.out / QUARANTINE_FILE
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                record = json.loads(line)
+                if record["step"] <= step:
+                    self.quarantined[int(record["row"])] = record
+            if self.rank == 0:
+                self._write_quarantine()
+        rows = tuple(sorted(self.quarantined))
+        return (ExcludeRows(rows, "spike guard: quarantined before the checkpoint"),) if rows else ()
+
+    def before_update(self, event: PendingUpdate) -> Sequence[ControllerAction]:
+        if self.mode == "off":
+            return ()
+        stats = row_stats([(event.rows, event.row_loss, event.row_tokens)])
+        spike = self.rule.check(event.step, step_loss(stats))
+        if spike is None:
+            return ()
+        what = ("not finite" if spike.ratio is None
+                else f"{spike.loss:.4g}, {spike.ratio:.1f}x the baseline {spike.baseline:.4g}")
+        actions: list[ControllerAction] = [SkipUpdate(f"spike guard: step {event.step}'s loss is {what}")]
+        named = [r for r in advised_rows(rank_rows(stats)) if r.row not in self.quarantined]
+        if self.mode == "quarantine" and named:
+            rows = tuple(r.row for r in named)
+            actions.append(ExcludeRows(rows, f"spike guard: rows behind step {event.step}",
+                                       tuple(r.share for r in named)))
+            self._quarantine(event.step, named)
+        if self.rank == 0 and self.out is not None:
+            NOTES.setdefault((str(self.out), self.rank), []).append({
+                "kind": "guard", "step": event.step,
+                "action": "quarantine" if self.mode == "quarantine" and named else "skip",
+                "loss": spike.loss if math.isfinite(spike.loss) else None, "baseline": spike.baseline,
+                "rows": [{"row": r.row, "share": r.share} for r in named] if self.mode == "quarantine" else [],
+            })
+        return actions
+
+    def _quarantine(self, step: int, named: Sequence[Any]) -> None:
+        origins = self._row_origins()
+        for r in named:
+            file, line = origins[r.row] if origins and r.row < len(origins) else (None, None)
+            self.quarantined[r.row] = {"row": r.row, "file": file, "line": line, "step": step, "share": r.share}
+        if self.rank == 0:
+            self._write_quarantine()
+
+    def _write_quarantine(self) -> None:
+        import soup_core
+
+        assert self.out is not None
+        records = sorted(self.quarantined.values(), key=lambda r: (r["step"], r["row"]))
+        soup_core.atomic_write(self.out / QUARANTINE_FILE, "".join(json.dumps(r) + "\n" for r in records))
+
+    def _row_origins(self) -> list[tuple[str, int]] | None:
+        """Where each training row came from (file, line), rebuilt once from the run's saved config."""
+        if self._origins is None and self.start is not None and self.out is not None:
+            import yaml
+
+            from soup_plugin_rewind.locate import SAVED_CONFIG
+            from soup_plugin_rewind.preview import rebuild
+
+            try:
+                config = yaml.safe_load((self.out / SAVED_CONFIG).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = None
+            rebuilt = rebuild(config, self.start.fingerprint, self.out)
+            self._origins = rebuilt.origins or []
+        return self._origins
