@@ -55,7 +55,7 @@ def _store(spec: Any, key: str, text: str) -> str | None:
 
 
 def eval_(
-    targets: list[str] = typer.Argument(..., metavar="TARGET...", help=TARGET_HELP + " Several: side by side."),
+    targets: list[str] = typer.Argument(..., metavar="TARGET", help=TARGET_HELP + " Several: side by side."),
     data: Path | None = typer.Option(None, "--data", metavar="FILE", help="Held-out rows in a format the run's "
                                      "task trains on."),
     val: bool = typer.Option(False, "--val", help="Score the run's own validation split (data.val_split)."),
@@ -118,7 +118,7 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
         note = _store(spec, f"eval {name} @ {spec.weights.name}",
                       f"loss {scores.loss:.4f}, perplexity {scores.perplexity:.4g} ({len(scores.row_loss)} rows, "
                       f"{scores.tokens} tokens)")
-        if note:
+        if note and note not in notes:
             notes.append(note)
     console.print(table)
     for note in notes:
