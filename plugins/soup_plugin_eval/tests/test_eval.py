@@ -104,3 +104,23 @@ def test_usage_errors(in_home: Runs, args: list[str], code: int, message: str) -
     result = invoke(eval_, [str(in_home.lora.output_dir), *args])
     assert result.exit_code == code and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_task_without_a_token_encoding_is_refused() -> None:
+    """An rl task tokenises in trl's trainer, not through encode: there is no training encoding to score with."""
+    from types import SimpleNamespace
+
+    from soup_plugin_eval.evaluate import encode
+    from soup_plugin_eval.target import TargetError
+
+    class NoEncode:
+        pass
+
+    class Encodes:
+        def encode(self, rows, tokenizer, config):
+            return [{"input_ids": [1, 2], "labels": [-100, 2], "row_index": i} for i, _ in enumerate(rows)]
+
+    target = SimpleNamespace(config=SimpleNamespace(task="t"))
+    with pytest.raises(TargetError, match="no training encoding"):
+        encode(target, SimpleNamespace(tasks={"t": NoEncode}), [{"text": "a"}], None)
+    assert len(encode(target, SimpleNamespace(tasks={"t": Encodes}), [{"text": "a"}], None)) == 1  # the control

@@ -67,7 +67,12 @@ def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dic
 def encode(target: Target, plugins: Any, rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
     """The rows as the run's task encodes them for training."""
     task = plugins.tasks[target.config.task]()
-    return task.encode(rows, tokenizer, target.config)
+    encoded = task.encode(rows, tokenizer, target.config) if callable(getattr(task, "encode", None)) else None
+    if not encoded or any("input_ids" not in row or "labels" not in row for row in encoded):
+        raise TargetError(f"task {target.config.task!r} does not encode its rows as supervised token sequences "
+                          "(input_ids and labels) through its encode, so soup eval has no training encoding to "
+                          "score with; use soup generate, or benchmarks with --tasks")
+    return encoded
 
 
 def score(loaded: Any, encoded: Sequence[dict[str, Any]], *, batch_size: int = 8,
