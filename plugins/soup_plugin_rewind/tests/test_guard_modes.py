@@ -1,0 +1,109 @@
+"""The spike guard under gradient accumulation and packing (a step's rows over its micro-batches; an
+excluded row masked inside a packed sequence, the other rows untouched) and across a resume (the quarantine
+and the rule's history come back from the checkpoint's step: the resumed run ends on the same weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from soup_core import hookimpl
+from soup_core.testing import write_jsonl
+
+pytest_plugins = ["soup_core.testing"]
+pytestmark = pytest.mark.slow
+
+
+class _Watch:
+    """A plugin whose controller keeps every PendingUpdate and excludes ``rows`` from the first step."""
+
+    SOUP_HOOK_API = (1, 1)
+
+    def __init__(self, rows: tuple[int, ...]) -> None:
+        from soup_core.contracts import Controller, ExcludeRows
+
+        self.pending: list[Any] = []
+        pending = self.pending
+
+        class Watch(Controller):
+            name = "watch"
+            wants_rows = True
+
+            def on_run_start(self, event: Any) -> Any:
+                return (ExcludeRows(rows),) if rows else ()
+
+            def before_update(self, event: Any) -> Any:
+                pending.append(event)
+                return ()
+
+        self.controller = Watch
+
+    @hookimpl
+    def soup_register_controllers(self) -> list[type]:
+        return [self.controller]
+
+
+def _config(data: Path, **training: Any) -> dict[str, Any]:
+    return {
+        "task": "sft",
+        "data": {"train": str(data), "format": "chat", "val_split": 0.0, "max_length": 256},
+        "training": {"learning_rate": 5e-3, "batch_size": 2, "scheduler": "constant", "dtype": "float32",
+                     "lora": {"r": 0}, "seed": 0, **training},
+    }
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_accumulated_and_packed_steps_give_every_row_and_mask_only_the_excluded(run_training, tmp_path, packing):
+    from soup_core.default_plugins.commands.quickstart import synthetic_rows
+
+    data = write_jsonl(tmp_path / "train.jsonl", synthetic_rows()[:12])
+    config = _config(data, max_steps=3, gradient_accumulation_steps=2)
+    config["data"]["packing"] = packing
+    watch, control = _Watch((5,)), _Watch(())
+    result = run_training(config, plugins=[("watch", watch)])
+    plain = run_training(config, plugins=[("watch", control)])
+    for ran, seen in ((result, watch.pending), (plain, control.pending)):
+        assert [p.step for p in seen] == [1, 2, 3]
+        for p in seen:  # the step's rows are both micro-batches' rows, as the recorders saw them
+            micro = [m for m in ran.micro if m.step == p.step]
+            assert len(micro) == 2 and p.rows == tuple(r for m in micro for r in m.rows)
+            assert p.row_tokens == tuple(t for m in micro for t in m.row_tokens)
+    ours = {(m.step, r): t for m in result.micro for r, t in zip(m.rows, m.row_tokens, strict=True)}
+    theirs = {(m.step, r): t for m in plain.micro for r, t in zip(m.rows, m.row_tokens, strict=True)}
+    assert any(r == 5 for _, r in ours) and ours.keys() == theirs.keys()
+    assert all(ours[k] == (0 if k[1] == 5 else theirs[k]) for k in ours)  # only row 5 lost its tokens
+    assert all(theirs[k] > 0 for k in theirs)  # control: without the exclusion row 5 trains
+
+
+def test_a_resumed_run_keeps_the_quarantine_and_ends_on_the_same_weights(run_training, tmp_path, torch_one_thread):
+    torch = torch_one_thread
+    from safetensors.torch import load_file
+
+    from soup_core.default_plugins.commands.quickstart import POISONED_ROW, synthetic_rows
+
+    data = write_jsonl(tmp_path / "train.jsonl", synthetic_rows())
+    config = _config(data, epochs=5, batch_size=4, spike_guard="quarantine", save_steps=40)
+    whole = run_training(config)
+    records = [json.loads(x) for x in (whole.output_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in records] == [POISONED_ROW] and records[0]["step"] < 40
+    checkpoint = whole.output_dir / "checkpoint-40"
+    assert checkpoint.is_dir()
+    final = load_file(str(whole.output_dir / "model.safetensors"))
+
+    resumed = run_training({**config, "output": str(whole.output_dir)},
+                           overrides={"training.resume_from": str(checkpoint)})
+    later = [m for m in resumed.micro if POISONED_ROW in m.rows]
+    assert later and all(m.step > 40 and m.row_tokens[m.rows.index(POISONED_ROW)] == 0 for m in later)
+    again = load_file(str(resumed.output_dir / "model.safetensors"))
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    assert [json.loads(x) for x in (whole.output_dir / "quarantine.jsonl").read_text().splitlines()] == records
+
+    (whole.output_dir / "quarantine.jsonl").unlink()  # control: a resume that forgot the quarantine
+    forgot = run_training({**config, "output": str(whole.output_dir)},
+                          overrides={"training.resume_from": str(checkpoint)})
+    assert any(m.row_tokens[m.rows.index(POISONED_ROW)] > 0 for m in forgot.micro if POISONED_ROW in m.rows)
+    other = load_file(str(forgot.output_dir / "model.safetensors"))
+    assert not all(torch.equal(final[k], other[k]) for k in final)
