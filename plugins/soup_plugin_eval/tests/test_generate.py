@@ -144,3 +144,35 @@ def test_not_a_run(tmp_path: Path, in_home: Runs) -> None:
     assert result.exit_code == 1 and "holds no Soup run" in result.output, result.output
     result = invoke(generate, ["run_nope", "-p", "x"])
     assert result.exit_code == 1 and "no run matches it" in result.output, result.output
+
+
+def test_typed_prompt_in_a_plain_run_is_the_prompt_tokens(in_home: Runs, tmp_path: Path) -> None:
+    """A run that trained on prompt/completion rows gets the prompt's tokens as training tokenised them, no chat
+    template (the card names the format; the folder is a copy no tracker knows)."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "plain"
+    shutil.copytree(in_home.lora.output_dir, folder, ignore=shutil.ignore_patterns("checkpoint-*"))
+    card = (folder / "README.md").read_text(encoding="utf-8")
+    (folder / "README.md").write_text(card.replace("| chat |", "| prompt_completion |"), encoding="utf-8")
+    (folder / ".soup_run.json").unlink()
+    result = invoke(generate, [str(folder), "-p", "what is 20 plus 20?", "--max-new-tokens", str(NEW)])
+    assert result.exit_code == 0, result.output
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(in_home.lora.start.config.base,
+                                                                           dtype=torch.float32), folder).eval()
+    plain = tokenizer("what is 20 plus 20?", return_tensors="pt")  # add_special_tokens, as training's prompt
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "what is 20 plus 20?"}],
+                                         add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    texts = []
+    for batch in (plain, chat):
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=NEW, do_sample=False)
+        texts.append(tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert texts[0] != texts[1]  # the template matters, so the test can fail
+    assert result.stdout == texts[0] + "\n"

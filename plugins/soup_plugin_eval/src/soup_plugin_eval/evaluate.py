@@ -3,7 +3,7 @@
 Rows are read as the run's task reads training rows (its accepted formats, ``data.format``), encoded by the
 task's own ``encode`` with the run's config (chat template, ``data.max_length``, ``train_on_responses_only``),
 and scored with the trainer's own per-row reduction (``row_sums``): each row's loss is the mean next-token
-cross-entropy over its supervised tokens, the number ``soup rewind`` shows for a training row. The loss of a
+cross-entropy over its supervised tokens (for sft, the number ``soup rewind`` shows for a training row). The loss of a
 data set is the mean over all its supervised tokens, and the perplexity ``exp`` of it.
 """
 
