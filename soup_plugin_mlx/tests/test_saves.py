@@ -148,6 +148,8 @@ def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
     assert final.keys() == whole.keys() and all(np.array_equal(final[k], whole[k]) for k in final)
     middle = _weights(out / "checkpoint-3")
     assert any(not np.array_equal(middle[k], whole[k]) for k in whole)
+    # a checkpoint folder has the permissions of any folder the run makes, not a temp folder's 0700
+    assert (out / "checkpoint-3").stat().st_mode & 0o777 == out.stat().st_mode & 0o777
 
 
 def test_an_output_folder_that_cannot_be_made_is_refused_before_training(

@@ -76,11 +76,18 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 TMP_PREFIX = ".soup-tmp-"
 
 
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def building(folder: Path) -> Iterator[Path]:
     """Build a folder beside ``folder`` and rename it into place at the end (replacing an old one)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{folder.name}.", dir=folder.parent))
+    tmp.chmod(0o777 & ~_umask())  # kept once renamed: the usual mode of a folder, not mkdtemp's 0700
     try:
         yield tmp
         if folder.exists():
