@@ -101,8 +101,9 @@ def test_a_failed_save_leaves_nothing_partial_and_resume_finds_the_last_complete
     assert any(not np.array_equal(middle[k], whole[k]) for k in whole)
 
 
+@pytest.mark.parametrize(("name", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
 def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
-    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys
+    tmp_path: Path, tiny_model: Path, write_data, monkeypatch, capsys, name: str, code: int
 ) -> None:
     import os
     import signal
@@ -111,13 +112,13 @@ def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
     from soup_core import HOOK_API_VERSION, Recorder, Tracker, hookimpl
     from soup_core.testing import registered_plugin
 
-    class Scheduler(Recorder):  # a cluster scheduler pre-empting the job while step 3 runs
-        name = "sigterm-at-step-3"
+    class Scheduler(Recorder):  # a cluster scheduler pre-empting the job (or Ctrl-C) while step 3 runs
+        name = "signal-at-step-3"
         wants_micro_batches = False
 
         def on_optimizer_step(self, event) -> None:
             if event.step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), getattr(signal, name))
 
     preempt = types.SimpleNamespace(SOUP_HOOK_API=(HOOK_API_VERSION, HOOK_API_VERSION),
                                     soup_register_recorders=hookimpl(lambda: [Scheduler]))
@@ -132,12 +133,14 @@ def test_sigterm_checkpoints_the_step_and_resumes_to_the_same_weights(
     )
     out = tmp_path / "output"
     with registered_plugin("preempt", preempt, entry_points=True):
-        assert _soup(["train"]) == 143
+        assert _soup(["train"]) == code
     printed = capsys.readouterr()
-    assert f"Interrupted (SIGTERM) at step 3; checkpoint saved to {out / 'checkpoint-3'}" in printed.err
+    assert f"Interrupted ({name}) at step 3; checkpoint saved to {out / 'checkpoint-3'}" in printed.err
     assert "step 3/6" in printed.out and "step 4/6" not in printed.out, printed.out
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
     assert Tracker().list_runs()[0].status == "interrupted"
+    if name == "SIGINT":  # the same path as SIGTERM from here on
+        return
     command = printed.err.split("Resume with: ", 1)[1].split()
     assert command[:2] == ["soup", "train"] and command[-2:] == ["--resume", str(out / "checkpoint-3")]
     assert _soup(command[1:]) == 0  # the printed command, as a user would paste it
