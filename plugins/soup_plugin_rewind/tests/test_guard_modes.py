@@ -107,3 +107,32 @@ def test_a_resumed_run_keeps_the_quarantine_and_ends_on_the_same_weights(run_tra
     assert any(m.row_tokens[m.rows.index(POISONED_ROW)] > 0 for m in forgot.micro if POISONED_ROW in m.rows)
     other = load_file(str(forgot.output_dir / "model.safetensors"))
     assert not all(torch.equal(final[k], other[k]) for k in final)
+
+
+def test_two_processes_take_the_same_decision_as_one(run_training, tmp_path):
+    """DDP (2 ranks x 2 rows = 1 process x 4 rows): the guard gathers both ranks' rows, quarantines the
+    row at the step and share one process does, and neither rank trains on it afterwards."""
+    import yaml
+
+    from soup_core.default_plugins.commands.quickstart import POISONED_ROW, synthetic_rows
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
+    from soup_core.testing import run_soup
+    from soup_plugin_rewind.logfile import read_log
+
+    data = write_jsonl(tmp_path / "train.jsonl", synthetic_rows())
+    one = run_training({**_config(data, batch_size=4, max_steps=33, spike_guard="quarantine")})
+    [single] = [json.loads(x) for x in (one.output_dir / "quarantine.jsonl").read_text().splitlines()]
+
+    config = _config(data, batch_size=2, max_steps=48, spike_guard="quarantine")
+    config.update(base=str(tiny_model_dir()), output=str(tmp_path / "ddp"))
+    path = tmp_path / "ddp.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    proc = run_soup(["train", "-c", str(path), "--nproc", "2"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [both] = [json.loads(x) for x in (tmp_path / "ddp" / "quarantine.jsonl").read_text().splitlines()]
+    assert (both["row"], both["step"]) == (POISONED_ROW, single["step"])
+    assert abs(both["share"] - single["share"]) < 1e-5
+    log = read_log(tmp_path / "ddp" / "rewind.jsonl")
+    assert len(log.files) == 2 and [g["step"] for g in log.guards] == [single["step"]]
+    later = [r for s in log.steps if s > single["step"] for r in log.step_rows(s) if r.row == POISONED_ROW]
+    assert later and all(r.tokens == 0 for r in later)

@@ -83,14 +83,14 @@ class UpdateGate:
             self.rows.append((rows, losses, tokens))
 
     def mask(self, batches: list[dict[str, Any]]) -> bool:
-        """Mask the excluded rows' labels in these micro-batches; True when something was masked."""
+        """Mask the excluded rows' labels in these micro-batches; True when rows are excluded at all (the
+        same answer on every rank, so every rank recounts the step's tokens: the count is a collective)."""
         restored = getattr(self.events, "start_exclusions", None)
         if restored:
             self.excluded.update(restored)
             restored.clear()
         if not self.excluded:
             return False
-        changed = False
         for batch in batches:
             rows, labels = batch.get("row_index"), batch.get("labels")
             if rows is None or labels is None:
@@ -98,12 +98,11 @@ class UpdateGate:
             for slot, row in enumerate(rows.tolist()):
                 if row not in self.excluded:
                     continue
-                changed = True
                 if "token_slot" in batch:
                     labels[batch["token_slot"] == slot] = IGNORE
                 else:
                     labels[slot] = IGNORE
-        return changed
+        return True
 
     # ------------------------------------------------------------------ the update
 
