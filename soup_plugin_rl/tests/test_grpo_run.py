@@ -115,3 +115,17 @@ def test_the_reward_hack_controller_watches_a_live_grpo_run(rl_run):
     log = (result.output_dir / "mitigation_log.jsonl").read_text()
     lines = [json.loads(line) for line in log.splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3]
+
+
+def test_a_20_step_grpo_run_with_beta_is_neither_stopped_nor_skipped_by_the_watchdog(rl_run):
+    """A negative control for the watchdog (on by default): GRPO's loss moves with its KL term, so the task
+    gets only the non-finite rule, and a healthy run is left alone."""
+    result = rl_run(
+        "grpo",
+        training={"max_steps": 20, "batch_size": 2, "num_generations": 2, "max_completion_length": 4,
+                  "beta": 0.1, "reward_fn": "length"},
+    )
+    assert result.code == 0 and [e.status for e in result.events.ends] == ["completed"]
+    steps = result.events.steps
+    assert len(steps) == 20 and not [s.step for s in steps if "update_skipped" in s.metrics]
+    assert all("update_ratio" in s.metrics for s in steps)  # the watchdog was on and measured every update
