@@ -218,23 +218,80 @@ def execute(
         return result
 
     try:
+        _join(world_size)  # the processes meet first: global rank 0 claims the folder, then tells the others
         if rank == 0:
             from soup_core.outputs import claimed, resumes_into
             from soup_core.tracker import new_run_id
 
             start_kwargs["run_id"] = rid = run_id or new_run_id()
             resuming = resumes_into(plan.output_dir, config.training.resume_from)
-            with claimed(plan.output_dir, rid, overwrite=overwrite, resuming=resuming, note=report) as claim:
-                summary = _execute_rank0(tracker, start_kwargs, _train)
-                claim.update(status=summary.get("status") or "completed", steps=summary.get("steps"),
-                             max_steps=config.training.max_steps, epochs=config.training.epochs)
-        else:  # rank 0 owns the tracker row; the others just train under the id they were given
-            summary = _train(run_id or os.environ.get("SOUP_RUN_ID", "unknown"))
+            told = False
+            try:
+                with claimed(plan.output_dir, rid, overwrite=overwrite, resuming=resuming, note=report) as claim:
+                    _tell(world_size, rid, "")
+                    told = True
+                    if os.environ.get("SOUP_RUN_ID_FILE"):  # the launcher of this machine records a failure
+                        Path(os.environ["SOUP_RUN_ID_FILE"]).write_text(rid, encoding="utf-8")
+                    summary = _execute_rank0(tracker, start_kwargs, _train)
+                    claim.update(status=summary.get("status") or "completed", steps=summary.get("steps"),
+                                 max_steps=config.training.max_steps, epochs=config.training.epochs)
+            except BaseException as exc:
+                if not told:  # the claim was refused: the other ranks stop with it
+                    _tell(world_size, rid, str(exc) or type(exc).__name__)
+                raise
+        else:  # rank 0 owns the tracker row; the others train under its run id
+            rid, refused = _tell(world_size, run_id or os.environ.get("SOUP_RUN_ID", "unknown"), None)
+            if refused:
+                from soup_core.outputs import OutputRefused
+
+                raise OutputRefused(refused)
+            summary = _train(rid)
     except BaseException:
         _close_process_group(wait=False)
         raise
     _close_process_group(wait=True)
     return summary
+
+
+#: Seconds a collective waits for a rank before failing (``SOUP_COLLECTIVE_TIMEOUT``): a rank that hangs, or
+#: whose machine is lost, fails the others within it, not after gloo's default 30 minutes. A rank that dies
+#: closes its connections and fails the others at once.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def _join(world_size: int) -> None:
+    """Join the process group the backend then trains in (accelerate takes an initialised one as it is), with
+    the collective timeout. torchrun's rendezvous already gathered the processes and numbered them."""
+    import importlib.util
+
+    if world_size < 2 or importlib.util.find_spec("torch") is None:
+        return
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    seconds = float(os.environ.get("SOUP_COLLECTIVE_TIMEOUT") or COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=seconds))
+
+
+def _tell(world_size: int, run_id: str, refused: str | None) -> tuple[str, str | None]:
+    """Global rank 0's run id and claim verdict (``refused``: why its claim of the output folder failed, ""
+    when it holds it), on every rank."""
+    dist = sys.modules.get("torch.distributed")
+    if world_size < 2 or dist is None or not dist.is_initialized():
+        return run_id, refused
+    import torch
+
+    box: list[Any] = [(run_id, refused)]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
 
 
 def _close_process_group(*, wait: bool) -> None:

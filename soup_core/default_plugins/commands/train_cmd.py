@@ -27,6 +27,8 @@ import typer
 
 OVERRIDES_ENV = "SOUP_CONFIG_OVERRIDES"
 RUN_ID_ENV = "SOUP_RUN_ID"
+RUN_ID_FILE_ENV = "SOUP_RUN_ID_FILE"  # the launcher learns global rank 0's run id there
+LAUNCH_ENV = "SOUP_LAUNCH_FLAGS"  # the launcher's --nproc/--nnodes/rendezvous flags, for the resume command
 
 TRAIN_HELP = """Train from a YAML config (default: ./soup.yaml, as written by `soup init`).
 
@@ -151,8 +153,16 @@ def train(
     nproc: int = typer.Option(
         1, "--nproc", min=1,
         help="Train on N processes (DDP through torchrun); the config, probes, pre-flight and data are "
-        "checked once before any process starts.",
+        "checked once before any process starts. Per machine with --nnodes.",
     ),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Machines in the run: start soup train on each, "
+                               "with the same config, --nproc and --rdzv-endpoint and its own --node-rank "
+                               "(torchrun's rendezvous; see docs/distributed.md)."),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This machine's index, 0 to --nnodes - 1."),
+    rdzv_endpoint: str | None = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of one machine of the "
+                                             "run, which every machine reaches; needed with --nnodes."),
+    rdzv_id: str | None = typer.Option(None, "--rdzv-id", help="The rendezvous id; default: derived from the "
+                                       "config and the command line, so every machine derives the same."),
     allow_oom_attempt: bool = typer.Option(False, "--allow-oom-attempt", help="Train even when a memory "
                                            "pre-flight predicts the run will not fit (layer streaming)."),
 ) -> None:
@@ -167,12 +177,35 @@ def train(
 
         print_error("--overwrite removes the checkpoints --resume would continue from; use one of them")
         raise typer.Exit(2)
-    code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc, overwrite=overwrite)
+    nodes = None
+    if nnodes > 1 or rdzv_endpoint or rdzv_id or node_rank:
+        problem = ("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (one machine of the run)" if not rdzv_endpoint
+                   else f"--node-rank {node_rank} is not below --nnodes {nnodes}" if node_rank >= nnodes else "")
+        if problem:
+            from soup_core.ui import print_error
+
+            print_error(problem)
+            raise typer.Exit(2)
+        nodes = {"nnodes": nnodes, "node_rank": node_rank, "endpoint": rdzv_endpoint,
+                 "rdzv_id": rdzv_id or rendezvous_id(config, overrides, nnodes=nnodes, nproc=nproc)}
+    code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc, overwrite=overwrite,
+                             nodes=nodes)
     raise typer.Exit(code)
 
 
+def rendezvous_id(config: Path, overrides: dict[str, Any], *, nnodes: int, nproc: int) -> str:
+    """The same id on every machine that starts this config with these options (the config file's bytes,
+    the overrides as typed, the shape of the run), so the launches find each other without --rdzv-id."""
+    import hashlib
+
+    digest = hashlib.sha256(config.read_bytes() if config.is_file() else b"")
+    digest.update(json.dumps([overrides, nnodes, nproc], sort_keys=True, default=str).encode())
+    return "soup-" + digest.hexdigest()[:16]
+
+
 def run_train_command(
-    config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1, overwrite: bool = False
+    config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1, overwrite: bool = False,
+    nodes: dict[str, Any] | None = None,
 ) -> int:
     """The body of ``soup train``; returns the exit code. Never lets a traceback reach the user."""
     from rich.markup import escape
@@ -200,7 +233,8 @@ def run_train_command(
     try:
         # the launcher checks once what every rank would refuse (probes, pre-flight, data), as the run it
         # will be: pre-flight checks read the world size from WORLD_SIZE, as the ranks do
-        with _world_size(nproc if nproc > 1 else None):
+        world = nproc * (nodes or {}).get("nnodes", 1)
+        with _world_size(world if world > 1 else None):
             plan = plan_run(config, plugins=plugins, base_dir=config_path.resolve().parent)
     except DataError as exc:
         return fail(str(exc) + (f"\n  fix: {exc.fix}" if getattr(exc, "fix", "") else ""))
@@ -214,7 +248,7 @@ def run_train_command(
     problem = output_problem(plan.output_dir)  # whatever the backend: one it has no pre-flight check for
     if problem:
         return fail(problem)
-    if dry_run or nproc > 1:  # what rank 0's claim of the output folder would refuse, before any process starts
+    if dry_run or world > 1:  # what rank 0's claim of the output folder would refuse, before any process starts
         from soup_core.outputs import OutputRefused, check_free, resumes_into
 
         try:
@@ -222,8 +256,8 @@ def run_train_command(
                        resuming=resumes_into(plan.output_dir, config.training.resume_from))
         except OutputRefused as exc:
             return fail(str(exc))
-    if nproc > 1 and not dry_run:
-        return launch(config_path, overrides=overrides, nproc=nproc, overwrite=overwrite)
+    if (world > 1 or nodes) and not dry_run:
+        return launch(config_path, overrides=overrides, nproc=nproc, overwrite=overwrite, nodes=nodes)
     from soup_core.run import dist_env
 
     rank, _ = dist_env()
@@ -256,7 +290,7 @@ def run_train_command(
             summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
                               run_id=os.environ.get(RUN_ID_ENV) or None, overwrite=overwrite)
     except OutputRefused as exc:
-        return fail(str(exc))
+        return fail(str(exc)) if rank == 0 else 1  # global rank 0 says it, once
     except KeyboardInterrupt as exc:
         if rank != 0:
             return exc.exit_code if isinstance(exc, RunInterrupted) else 130
@@ -286,7 +320,9 @@ def resume_command(config_path: Path, overrides: dict[str, Any], checkpoint: Pat
 
     parts = ["soup", "train", "--config", str(config_path)]
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
+    if os.environ.get(LAUNCH_ENV):  # as the launcher was started: --nproc, and --nnodes and the rendezvous
+        parts += json.loads(os.environ[LAUNCH_ENV])
+    elif world > 1:
         parts += ["--nproc", str(world)]
     for path, value in overrides.items():
         if path in _FLAGS:
@@ -339,17 +375,34 @@ def _world_size(n: int | None) -> Iterator[None]:
             os.environ["WORLD_SIZE"] = before
 
 
-def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int, overwrite: bool = False) -> int:
-    """Run ``soup train`` on ``nproc`` local processes; returns the exit code of the group."""
+def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int, overwrite: bool = False,
+           nodes: dict[str, Any] | None = None) -> int:
+    """Run ``soup train`` on ``nproc`` local processes (this machine's share of ``nodes``: ``nnodes``,
+    ``node_rank``, ``endpoint``, ``rdzv_id``); returns the exit code of the group."""
     from soup_core.tracker import new_run_id
 
     env = dict(os.environ)
-    env[RUN_ID_ENV] = env.get(RUN_ID_ENV) or new_run_id()
     env[OVERRIDES_ENV] = json.dumps(overrides)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    flags = ["--nproc", str(nproc)]
+    if nodes:  # global rank 0 (the rendezvous picks it, not --node-rank 0) names the run and tells the others
+        where = [f"--nnodes={nodes['nnodes']}", f"--node-rank={nodes['node_rank']}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={nodes['endpoint']}", f"--rdzv-id={nodes['rdzv_id']}"]
+        flags += ["--nnodes", str(nodes["nnodes"]), "--node-rank", str(nodes["node_rank"]),
+                  "--rdzv-endpoint", str(nodes["endpoint"]), "--rdzv-id", str(nodes["rdzv_id"])]
+        said = (f"Launching node {nodes['node_rank']} of {nodes['nnodes']}: {nproc} processes (torchrun "
+                f"rendezvous {nodes['rdzv_id']} at {nodes['endpoint']}; the run id is global rank 0's)")
+    else:
+        env[RUN_ID_ENV] = env.get(RUN_ID_ENV) or new_run_id()
+        where, said = ["--standalone"], f"Launching {nproc} processes (torchrun, run {env[RUN_ID_ENV]})"
+    env[LAUNCH_ENV] = json.dumps(flags)
+    import tempfile
+
+    named = Path(tempfile.mkdtemp(prefix="soup-launch-")) / "run_id"  # where global rank 0 writes the run id
+    env[RUN_ID_FILE_ENV] = str(named)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}",
            "-m", "soup_core", "train", "--config", str(config_path), *(["--overwrite"] if overwrite else [])]
-    print(f"Launching {nproc} processes (torchrun, run {env[RUN_ID_ENV]})", flush=True)
+    print(said, flush=True)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     got: list[int] = []
     relay = threading.Thread(target=_relay_stderr, args=(proc.stderr, got), daemon=True)
@@ -374,7 +427,28 @@ def launch(config_path: Path, *, overrides: dict[str, Any], nproc: int, overwrit
     finally:
         signal.signal(signal.SIGTERM, previous)
     relay.join(timeout=10)
+    if code and not got:
+        _record_failure(env.get(RUN_ID_ENV) or (named.read_text().strip() if named.is_file() else ""), code)
+    named.unlink(missing_ok=True)
+    named.parent.rmdir()
     return 128 + got[0] if got else code
+
+
+def _record_failure(run_id: str, code: int) -> None:
+    """A run whose processes failed without a signal to this launcher is recorded ``failed``, whatever a rank
+    managed to record: when a rank dies, torchrun stops the others with SIGTERM, which they take for a
+    pre-emption (``interrupted``), and a rank killed outright leaves its row ``running`` (read: crashed)."""
+    from soup_core.tracker import Tracker
+
+    if not run_id:
+        return  # global rank 0 ran on another machine: its launcher records it
+    with Tracker() as tracker:
+        row = tracker.get_run(run_id)
+        if row is not None and row.status in ("running", "crashed", "interrupted"):
+            tracker.finish_run(run_id, "failed", error=f"a process of the run died or failed (torchrun exit code "
+                               f"{code}); the others were stopped")
+            print(f"run {run_id} failed: a process of the run died or failed; the others were stopped, and the "
+                  "run is recorded as failed", file=sys.stderr, flush=True)
 
 
 def _relay_stderr(stream: Any, got: list[int]) -> None:
