@@ -47,8 +47,7 @@ class Capabilities:
     def __init__(self) -> None:
         self._pair_support: dict[tuple[str, str], frozenset[str]] = {}
         self._capability_support: list[Support] = []
-        #: (backend, task) -> field path -> why that pair leaves the field out
-        self.support_reasons: dict[tuple[str, str], dict[str, str]] = {}
+        self._pair_reasons: dict[tuple[str, str], dict[str, str]] = {}
         #: probes that failed for one scope ("task:ppo", "backend:mlx") -> (plugin, result)
         self.unavailable_scopes: dict[str, tuple[str, ProbeResult]] = {}
 
@@ -63,6 +62,19 @@ class Capabilities:
                                                                  or ()):
                     table[(backend, task)] |= frozenset(row.fields)
         return table
+
+    @property
+    def support_reasons(self) -> dict[tuple[str, str], dict[str, str]]:
+        """(backend, task) -> field path -> why that pair leaves the field out: each pair's own reasons, and a
+        capability row's for the tasks of its backend that do not declare the capability."""
+        reasons = {pair: dict(why) for pair, why in self._pair_reasons.items()}
+        for row in self._capability_support:
+            for backend, task in self._pair_support:
+                lacks = row.capability not in (getattr(self.tasks.get(task), "capabilities", ()) or ())
+                if backend == row.backend and lacks and row.reasons:
+                    reasons.setdefault((backend, task), {}).update(
+                        {k: v for k, v in row.reasons.items() if k not in reasons.get((backend, task), {})})
+        return reasons
 
     @staticmethod
     def check_support(rows: Sequence[Support]) -> None:
@@ -80,7 +92,7 @@ class Capabilities:
             key = (row.backend, row.task)
             self._pair_support[key] = self._pair_support.get(key, frozenset()) | frozenset(row.fields)
             if row.reasons:
-                self.support_reasons.setdefault(key, {}).update(row.reasons)
+                self._pair_reasons.setdefault(key, {}).update(row.reasons)
 
     def requirements_for(self, *, backend: str, task: str, deep: bool = True) -> list[str]:
         """Reasons a run on (backend, task) cannot start: unavailable plugins or scopes, failed deep

@@ -294,3 +294,36 @@ def test_a_rank_killed_mid_run_takes_the_run_down_and_it_is_recorded_failed(tmp_
     assert row["status"] in ("failed", "crashed") and row["error"], row
     if victim == 0:  # rank 0 left its row running: its launcher records the failure
         assert row["status"] == "failed" and "died or failed" in row["error"] and "recorded as failed" in err
+
+
+# ------------------------------------------------------------------------------------------ the support table
+
+
+def test_the_support_table_says_what_shards(monkeypatch: pytest.MonkeyPatch) -> None:
+    from soup_core.config import ConfigError, load_config_text
+    from soup_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    shardable = {name for name, cls in plugins.tasks.items() if "shardable" in cls.capabilities}
+    assert "sft" in shardable  # the tested one (above)
+    for (backend, task), fields in plugins.support.items():
+        text = f"base: m\nbackend: {backend}\ntask: {task}\ntraining:\n  sharding: fsdp\n"
+        if backend == "transformers" and task in shardable:
+            assert "training.sharding" in fields
+            continue
+        # every other pair refuses it with the reason: the task not shown to shard, or the backend's
+        try:
+            load_config_text(text, plugins=plugins)
+            refused = ""
+        except ConfigError as exc:
+            refused = exc.render()
+        assert "training.sharding: not honoured" in refused, (backend, task, refused)
+        reason = refused.split("training.sharding: not honoured", 1)[1].split("\n", 1)[0]
+        assert "'shardable'" in reason or "one process" in reason, (backend, task, reason)
+    # streaming is one process: under a launcher (which sharding needs) its pre-flight refuses the run
+    if "training.stream_layers" in dict(plugins.config_fields.items()):
+        config = load_config_text("base: m\ndata:\n  train: t.jsonl\ntraining:\n  sharding: fsdp\n  stream_layers: true\n",
+                                  plugins=plugins)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        refusals = [r.refusal for _, r in plugins.call_preflight(config) if r.refusal]
+        assert any("trains in one process" in r for r in refusals), refusals

@@ -169,7 +169,7 @@ class SFTTask(Task):
     description = "supervised fine-tuning on chat, alpaca, prompt/completion or text rows"
     data_keys = ("data.train",)
     formats = ("chat", "alpaca", "prompt_completion", "text")
-    capabilities = frozenset({"per_row_losses", "streamable", "token_cross_entropy"})
+    capabilities = frozenset({"per_row_losses", "streamable", "token_cross_entropy", "shardable"})
     #: Bump when encode would give other tokens for the same rows: prepared data in the cache is keyed by it.
     encoding_version = 1
 

@@ -22,9 +22,13 @@ def soup_register_backends() -> list[type]:
 
 @hookimpl
 def soup_register_support() -> list[Support]:
-    from soup_core.default_plugins.transformers.sharding import SHARDING_FIELDS
+    from soup_core.default_plugins.transformers.sharding import SHARDING_FIELDS, UNSHARDED
 
-    return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS | SHARDING_FIELDS)]
+    # training.sharding goes to every task whose class declares "shardable" (tested sharded); the others
+    # refuse it with the reason
+    return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS),
+            Support(backend="transformers", task="*", fields=SHARDING_FIELDS, capability="shardable",
+                    reasons=dict.fromkeys(SHARDING_FIELDS, UNSHARDED))]
 
 
 def _stack_installed() -> ProbeResult:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-#: the support-table fields of this module (the (transformers, sft) pair honours them; a task whose trainer
-#: has not been shown to train sharded leaves them out and is refused, with its reason)
+#: the support-table fields of this module: honoured with every task whose class declares the capability
+#: ``shardable`` (its trainer was shown to train sharded as it trains unsharded); refused, with
+#: :data:`UNSHARDED`, with the others
 SHARDING_FIELDS: frozenset[str] = frozenset({"training.sharding", "training.cpu_offload"})
+UNSHARDED = ("this task has not been shown to train sharded (its class does not declare the 'shardable' "
+             "capability); train it with DDP (soup train --nproc N, training.sharding: none) or on one process")
 
 
 def sharding_problem(config: Any) -> str | None:

@@ -26,7 +26,10 @@ def soup_register_backends() -> list[type]:
 def soup_register_support() -> list[Support]:
     # Only sft: dpo, grpo and every other task have no row, so `backend: mlx` with them is refused at
     # config time (the core says which tasks mlx supports) instead of failing after the model loads.
-    return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS, reasons=REFUSED_REASONS)]
+    one_process = "the mlx backend trains in one process: there is nothing to shard over"
+    return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS, reasons=REFUSED_REASONS),
+            Support(backend=MLXBackend.name, task="sft", fields=frozenset(),
+                    reasons={"training.sharding": one_process, "training.cpu_offload": one_process})]
 
 
 @hookimpl
