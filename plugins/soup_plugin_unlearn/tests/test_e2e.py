@@ -155,6 +155,15 @@ def test_each_method_at_its_defaults_forgets_the_forget_set_and_keeps_the_retain
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_the_watchdog_leaves_every_demo_run_alone(method, unlearned):
+    """A negative control for the watchdog (on by default): the forget loss rises by design, so unlearn gets
+    only the non-finite rule, and no update of the demo is skipped or stopped."""
+    run = unlearned[method]
+    assert run.status == "completed" and run.steps
+    assert not [s.step for s in run.steps if "update_skipped" in s.metrics]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_each_runs_own_evaluation_matches_plain_transformers(method, facts, learned, unlearned):
     run = unlearned[method]
     model = _load(learned["path"], run.output_dir)
