@@ -168,6 +168,9 @@ def test_what_cannot_shard_here_is_refused_with_the_reason(tmp_path: Path, tiny_
     sharded = config(tmp_path, tiny_model, "one", sharding="fsdp", cpu_offload=True)
     code, _, err = soup(["train", "-c", str(sharded), "--dry-run"])
     assert code == 1 and "shards the model over several processes, and this run has one" in err
+    quantised = config(tmp_path, tiny_model, "q", sharding="fsdp", quantization="4bit")
+    code, _, err = soup(["train", "-c", str(quantised), "--dry-run", "--nproc", "2"])
+    assert code == 1 and "sharding a bitsandbytes model is not supported here" in err, err
     # control: the launch it names passes the same checks
     code, out, err = soup(["train", "-c", str(sharded), "--dry-run", "--nproc", "2"])
     assert code == 0, err

@@ -28,6 +28,10 @@ def sharding_problem(config: Any) -> str | None:
     if getattr(t, "cpu_offload", False) and mode in ("none", "zero2"):
         return (f"training.cpu_offload needs training.sharding fsdp or zero3 (it is {mode}): offload moves the "
                 "shards to the CPU; set training.sharding, or remove training.cpu_offload")
+    if mode != "none" and str(getattr(t, "quantization", "none")) != "none":
+        return (f"training.sharding {mode} with training.quantization {t.quantization}: sharding a bitsandbytes "
+                "model is not supported here; shard the unquantised model (LoRA on a sharded bf16 base), or "
+                "train the quantised one with training.sharding: none")
     problem = _deepspeed_problem(mode) if mode in ("zero2", "zero3") else None
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if problem is None and mode != "none" and world < 2:
