@@ -45,7 +45,8 @@ command that resumes from it. --resume latest (or --resume OUTPUT_DIR) picks the
 checkpoint; resuming a run that already finished says so, exits 0 and records no run.
 
 Exit codes: 0 trained (or the dry run passed, or nothing left to resume); 1 bad config, bad data, a
-refused or failed run (an output folder in use or holding another run's files, a failed save);
+refused or failed run (an output folder in use or holding another run's files, a failed save, a run the
+watchdog stopped: recorded stopped);
 2 usage error; 130 interrupted by Ctrl-C, 143 by SIGTERM (the tracker row is marked interrupted)."""
 
 
