@@ -170,7 +170,7 @@ def test_the_guard_is_refused_where_it_cannot_act(tmp_path):
         with pytest.raises(ConfigError, match="training.spike_guard"):
             validate_config({**base, "backend": "mlx"}, plugins=plugins)
     if "unlearn" in plugins.tasks:  # a task that declares no token cross-entropy
-        with pytest.raises(ConfigError, match="training.spike_guard: not honoured"):
+        with pytest.raises(ConfigError, match="training.spike_guard: not honoured .* declares no token_cross"):
             validate_config({**base, "task": "unlearn", "data": {"forget": str(data), "retain": str(data)}},
                             plugins=plugins)
     with pytest.raises(ConfigError, match="spike_guard"):

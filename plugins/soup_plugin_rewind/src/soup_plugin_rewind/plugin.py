@@ -46,7 +46,10 @@ def soup_register_config_fields() -> list[ConfigField]:
 def soup_register_support() -> list[Support]:
     # the guard needs a backend that vetoes updates and masks rows (transformers), and a task whose rows'
     # losses are a token cross-entropy; other pairs refuse it
-    return [Support("transformers", "*", frozenset({"training.spike_guard"}), capability="token_cross_entropy")]
+    why = ("the task declares no token_cross_entropy: its rows' losses are not shares of one loss that a "
+           "spike could be read from (unlearning and GRPO losses move by design)")
+    return [Support("transformers", "*", frozenset({"training.spike_guard"}), capability="token_cross_entropy",
+                    reasons={"training.spike_guard": why})]
 
 
 @hookimpl
