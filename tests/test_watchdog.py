@@ -161,3 +161,27 @@ def test_watchdog_true_is_refused_where_the_backend_cannot_run_it():
     refused = soup_preflight(config(True))
     assert refused.refusal and "training.watchdog" in refused.refusal
     assert soup_preflight(config(False)) is None
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_a_trainer_that_never_reaches_the_gate_says_so_or_fails(setting):
+    from types import SimpleNamespace
+
+    from soup_core.default_plugins.transformers.gate import UpdateGate
+    from soup_core.default_plugins.transformers.loading import BackendError
+
+    said: list[str] = []
+    config = SimpleNamespace(training=SimpleNamespace(watchdog=setting, learning_rate=1e-3))
+    ctx = SimpleNamespace(config=config, events=None, task=SimpleNamespace(name="ppo", capabilities=()))
+    gate = UpdateGate(SimpleNamespace(_soup_say=said.append), SimpleNamespace(ctx=ctx))
+    if setting is True:
+        with pytest.raises(BackendError, match="training.watchdog: true, but the ppo trainer"):
+            gate.not_consulted()
+    else:
+        gate.not_consulted()
+        gate.not_consulted()
+        assert said == ["watchdog off: the ppo trainer's loop never reaches the update gate (Trainer._get_grad_norm)"]
+    config.training.watchdog = False  # control: a watchdog turned off has nothing to say
+    quiet = UpdateGate(SimpleNamespace(_soup_say=said.append), SimpleNamespace(ctx=ctx))
+    quiet.not_consulted()
+    assert len(said) == (0 if setting is True else 1)

@@ -56,6 +56,7 @@ class UpdateGate:
         self.step = -1  # the step the gate last decided on
         self.applied = False
         self.skipped_steps: list[int] = []
+        self.said_off = False
         self.params: list[torch.Tensor] = []
         self.before: list[torch.Tensor] | None = None  # the weights before the current update
         self.kept: list[torch.Tensor] | None = None  # the weights before a suspected blow-up
@@ -172,6 +173,19 @@ class UpdateGate:
                 trainer._soup_say(f"step {step}: update skipped ({'; '.join(_reasons(actions))})")
         elif self.watchdog is not None:
             self._snapshot(model)
+
+    def not_consulted(self) -> None:
+        """A step ended without passing the gate (a trainer with a training loop of its own): say once that
+        the watchdog is off; ``training.watchdog: true`` fails the run rather than run without it."""
+        if self.watchdog is None or self.said_off:
+            return
+        self.said_off = True
+        reason = f"the {self.ctx.task.name} trainer's loop never reaches the update gate (Trainer._get_grad_norm)"
+        if getattr(self.ctx.config.training, "watchdog", None) is True:
+            from soup_core.default_plugins.transformers.loading import BackendError
+
+            raise BackendError(f"training.watchdog: true, but {reason}; remove training.watchdog")
+        self.trainer._soup_say(f"watchdog off: {reason}")
 
     def _snapshot(self, model: Any) -> None:
         if not self.params:

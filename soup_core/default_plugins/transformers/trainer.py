@@ -510,6 +510,8 @@ class SoupTrainerMixin:
             metrics["loss"] = float(loss)
         if gate.step == step:
             metrics.update(gate.after_update(step, grad_norm))
+        else:
+            gate.not_consulted()
         if learning_rate is not None:
             metrics["learning_rate"] = float(learning_rate)
         if grad_norm is not None:
