@@ -144,13 +144,20 @@ def main() -> None:
         rewind = [("rewind", rewind_plugin)]
         building = threading.Lock()  # trainers share accelerate's state: build them one at a time
 
+        acted: list[int] = []  # guard lines per guarded run: its skipped updates (the arms' work differs by them)
+
+        def guard_lines(output: Path) -> None:
+            log = output / "rewind.jsonl"
+            acted.append(sum(b'"kind":"guard"' in line for line in log.read_bytes().splitlines()))
+
         def arm(extra: str) -> Any:
             def run(timer: Any) -> None:
                 building.acquire()
                 started = _started(building)
                 try:
                     sft.soup_arm(work, model, data, timer=timer, max_steps=max_steps,
-                                 plugins=[*rewind, ("bench-started", started)], extra=extra)
+                                 plugins=[*rewind, ("bench-started", started)], extra=extra,
+                                 inspect=guard_lines if "spike_guard" in extra else None)
                 finally:
                     started.release()
 
@@ -185,6 +192,7 @@ def main() -> None:
         "wall_clock": sft.summarize(ratios, as_pct=True),
         "thread_cpu_time": sft.summarize(sft.pair_ratios(runs, "guarded", "off", "cpu"), as_pct=True),
         "per_round_median_ratios_wall": sft.round_medians(runs, "guarded", "off"),
+        "guard_actions_per_guarded_run": acted,
         "direct": {
             "guard_decision_cpu_ms_per_step": round(guard_ms, 4),
             "watchdog_snapshot_cpu_ms_per_step": round(snapshot_ms, 4),

@@ -185,3 +185,24 @@ def test_a_trainer_that_never_reaches_the_gate_says_so_or_fails(setting):
     quiet = UpdateGate(SimpleNamespace(_soup_say=said.append), SimpleNamespace(ctx=ctx))
     quiet.not_consulted()
     assert len(said) == (0 if setting is True else 1)
+
+
+def test_weights_over_the_snapshot_limit_are_neither_copied_nor_listed_again(monkeypatch, torch_one_thread):
+    from types import SimpleNamespace
+
+    from soup_core.default_plugins.transformers import gate as gate_mod
+
+    torch = torch_one_thread
+    model = torch.nn.Linear(4, 4)
+    config = SimpleNamespace(training=SimpleNamespace(watchdog=None, learning_rate=1e-3))
+    ctx = SimpleNamespace(config=config, events=None, task=SimpleNamespace(name="sft", capabilities=()))
+    small = gate_mod.UpdateGate(SimpleNamespace(), SimpleNamespace(ctx=ctx))
+    small._snapshot(model)
+    assert small.before is not None and torch.equal(small.before[0], model.weight.detach())  # control
+    monkeypatch.setattr(gate_mod, "SNAPSHOT_LIMIT_BYTES", 10)
+    big = gate_mod.UpdateGate(SimpleNamespace(), SimpleNamespace(ctx=ctx))
+    big._snapshot(model)
+    assert big.too_big and big.before is None and big.params == []
+    big._snapshot(None)  # not listed again (a None model would fail if it were)
+    big.applied = True
+    assert big.after_update(1, 1.0) == {}  # no update size without the copy

@@ -57,6 +57,7 @@ class UpdateGate:
         self.applied = False
         self.skipped_steps: list[int] = []
         self.said_off = False
+        self.too_big = False  # trainable weights over SNAPSHOT_LIMIT_BYTES: no copy, no update size
         self.params: list[torch.Tensor] = []
         self.before: list[torch.Tensor] | None = None  # the weights before the current update
         self.kept: list[torch.Tensor] | None = None  # the weights before a suspected blow-up
@@ -188,12 +189,13 @@ class UpdateGate:
         self.trainer._soup_say(f"watchdog off: {reason}")
 
     def _snapshot(self, model: Any) -> None:
+        if self.too_big:
+            return
         if not self.params:
             self.params = [p for p in model.parameters() if p.requires_grad]
             size = sum(p.numel() * p.element_size() for p in self.params)
-            if size > SNAPSHOT_LIMIT_BYTES:
-                self.params = []
-                self.before = None
+            if size > SNAPSHOT_LIMIT_BYTES:  # judged once: a big model is not listed again every step
+                self.params, self.before, self.too_big = [], None, True
                 return
             self.before = [torch.empty_like(_local(p)) for p in self.params]
         if self.before is not None:
