@@ -10,6 +10,8 @@ import textwrap
 import types
 from pathlib import Path
 
+import pytest
+
 from soup_core import Probe, Task, distributions, hookimpl
 from soup_core.testing import isolated_plugins, write_jsonl, write_yaml
 
@@ -182,3 +184,33 @@ def test_a_distribution_that_is_not_installed_costs_no_metadata_scan(tmp_path, m
     assert distributions.version_of("eggy-thing", path=[str(tmp_path)]) == "3.1"
     assert calls == ["eggy-thing"]
     assert distributions.version_of("pydantic") is not None
+
+
+# ------------------------------------------------------------------------------------ leaving the process
+
+_SOUP_WITH = """
+import atexit, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+if "thread" in sys.argv[1:2]:
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=True))).start()
+sys.argv = ["soup", *sys.argv[2:]]
+from soup_core.cli.main import main
+main()
+print("main returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("args", "code"), [(["--version"], 0), (["train", "-c", "missing.yaml"], 1),
+                                            (["no-such-command"], 2)])
+def test_the_soup_command_exits_with_its_code_after_the_atexit_handlers(tmp_path, args, code) -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _SOUP_WITH, "-", *args], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == code, out.stderr
+    assert out.stdout.rstrip().endswith("atexit ran") and "main returned" not in out.stdout
+    # control: a live non-daemon thread gets the normal exit, which waits for it
+    waited = subprocess.run([sys.executable, "-c", _SOUP_WITH, "thread", *args], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=120)
+    assert waited.returncode == code
+    assert "thread finished" in waited.stdout and waited.stdout.rstrip().endswith("atexit ran")
