@@ -138,9 +138,9 @@ def test_quarantine_takes_the_poisoned_row_and_no_other(run_training, tmp_path, 
     assert abs(ours - theirs) < abs(unguarded - theirs), (ours, theirs, unguarded)
     if poison == "quickstart":  # measured: 0.4406 vs 0.4379 (unguarded 0.5449)
         assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
-    # the second poison lands at 0.487 vs 0.399 (unguarded 0.521): at lr 5e-3 the three epochs trained
-    # with the row before its first spike leave a trajectory as far from the clean one as another batch
-    # order does (~10%), so 5% is not met there (docs/config.md, training.spike_guard)
+    # the second poison lands at 0.487 vs 0.399 (unguarded 0.521), not within 5%: at lr 5e-3 skipping any
+    # one update of the run without the row already moves its final loss by 9-13%, and the row trained for
+    # two epochs before its first spike (docs/config.md, training.spike_guard)
     assert all(m.row_tokens[m.rows.index(bad)] == 0 for m in clean.micro if bad in m.rows)
 
 
