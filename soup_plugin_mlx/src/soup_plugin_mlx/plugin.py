@@ -27,9 +27,12 @@ def soup_register_support() -> list[Support]:
     # Only sft: dpo, grpo and every other task have no row, so `backend: mlx` with them is refused at
     # config time (the core says which tasks mlx supports) instead of failing after the model loads.
     one_process = "the mlx backend trains in one process: there is nothing to shard over"
+    no_gate = ("the mlx trainer has no update gate: it cannot skip an update or take a row out of later "
+               "micro-batches (the rewind plugin's spike guard needs both)")
     return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS, reasons=REFUSED_REASONS),
             Support(backend=MLXBackend.name, task="sft", fields=frozenset(),
-                    reasons={"training.sharding": one_process, "training.cpu_offload": one_process})]
+                    reasons={"training.sharding": one_process, "training.cpu_offload": one_process,
+                             "training.spike_guard": no_gate})]
 
 
 @hookimpl
