@@ -54,17 +54,21 @@ def test_defaults_are_documented_values(tmp_path, plugins):
     t = config.training
     assert (t.unlearn_method, t.unlearn_alpha, t.unlearn_beta, t.unlearn_gamma) == ("npo", None, None, 0.0)
     assert (t.unlearn_rmu_params, t.unlearn_rmu_tokens) == ("mlp", "all")
-    assert (t.unlearn_rmu_layer, t.unlearn_rmu_coeff, t.unlearn_eval_steps) == (None, 6.5, None)
+    assert (t.unlearn_rmu_layer, t.unlearn_rmu_coeff, t.unlearn_eval_steps) == (None, None, None)
     assert resolved(t) == {"method": "npo", "alpha": 1.0, "beta": 0.1}
     assert describe(resolved(t)) == "npo: β=0.1, retain weight α=1"
     simnpo = load(tmp_path, plugins, unlearn(unlearn_method="simnpo")).training
     assert resolved(simnpo) == {"method": "simnpo", "alpha": 1.0, "beta": 2.5, "gamma": 0.0}
     rmu = load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_layer=3)).training
     assert resolved(rmu) == {
-        "method": "rmu", "alpha": 1200.0, "rmu_layer": 3, "rmu_coeff": 6.5, "rmu_params": "mlp", "rmu_tokens": "all"
+        "method": "rmu", "alpha": 100.0, "rmu_layer": 3, "rmu_coeff": None, "rmu_params": "mlp", "rmu_tokens": "all"
     }
     assert describe(resolved(rmu)) == (
-        "rmu: layer 3, c=6.5, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=1200"
+        "rmu: layer 3, c=5×mean norm, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=100"
+    )
+    explicit = load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_coeff=6.5, unlearn_alpha=1200))
+    assert describe(resolved(explicit.training)) == (
+        "rmu: layer middle, c=6.5, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=1200"
     )
     assert config.data.train is None  # data.train is not required by this task
 
@@ -76,7 +80,8 @@ def test_every_field_has_a_description_naming_its_default(plugins):
         assert field.description, field.path
     described = {f.path: f.description for f in FIELDS}
     assert "0.1 for npo, 2.5 for simnpo" in described["training.unlearn_beta"]
-    assert "Default 6.5" in described["training.unlearn_rmu_coeff"]
+    assert "Unset: 5 × the mean norm of the steered layer's output" in described["training.unlearn_rmu_coeff"]
+    assert "100 for rmu" in described["training.unlearn_alpha"]
     assert "0 trains on the forget loss alone" in described["training.unlearn_alpha"]
 
 
@@ -201,7 +206,7 @@ def test_dry_run_prints_the_plan_and_refuses_through_soup_train(tmp_path, soup_t
     ok = soup_train(mapping, dry_run=True).output
     assert "data.forget: 8 training rows" in ok and "data.retain: 16 training rows" in ok
     assert "method rmu: layer middle, c=12, trains MLPs of layers l-2..l, averaged over all tokens, " in ok
-    assert "retain weight α=1200" in ok
+    assert "retain weight α=100" in ok
     mapping["data"]["train"] = str(demo_data["forget"])
     with pytest.raises(TrainingFailed) as refused:
         soup_train(mapping, dry_run=True)

@@ -1,7 +1,9 @@
 """End to end on the bundled demo, as the docs run it, and the acceptance of each method at its documented
 defaults: the core's sft teaches a tiny model (4 layers, hidden 128, full fine-tuning) every fact; then each
 method, naming nothing but itself (β, γ, α, rmu's layer, coefficient, trained parameters and token
-averaging at their defaults), makes it forget the forget set and keep the retain set.
+averaging at their defaults), makes it forget the forget set and keep the retain set. rmu's default c is
+scaled to this model (5 × the steered layer's mean activation norm, about 58 here) and α is 100: the README
+lists the settings measured not to reach the bar (the paper's Zephyr-7B c = 6.5, α = 1200 among them).
 
 Acceptance, measured here independently of the plugin's code (plain transformers: its own loss, greedy
 generation): greedy exact-match recall of the forget set at most 10%, of the retain set at least 90%.
@@ -133,18 +135,7 @@ def test_the_sft_phase_memorised_every_fact(facts, learned):
     assert learned["forget_recall"] == 1.0 and learned["retain_recall"] == 1.0
 
 
-#: Measured on this demo (4 layers, 60 steps at lr 3e-3): rmu at its paper defaults (α = 1200, c = 6.5, the
-#: MLPs of layers 0..2 trained, layer 2 steered) leaves the forget set's greedy recall at 100% (forget loss
-#: 0.0448 → 0.0505): with α = 1200 the retain term, over every token of retain rows that share the forget
-#: rows' prompt template, holds the steered activations in place. Reported, not tuned away (the README
-#: lists the settings measured to reach the bar).
-RMU_BELOW_THE_BAR = "rmu at the paper's defaults does not unlearn this tiny demo (forget recall stays 100%)"
-
-
-@pytest.mark.parametrize(
-    "method",
-    ["npo", "simnpo", pytest.param("rmu", marks=pytest.mark.xfail(strict=True, reason=RMU_BELOW_THE_BAR))],
-)
+@pytest.mark.parametrize("method", METHODS)
 def test_each_method_at_its_defaults_forgets_the_forget_set_and_keeps_the_retain_set(
     method, facts, learned, unlearned
 ):

@@ -276,8 +276,11 @@ def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup
     del config["training"]["lora"]  # the paper's recipe adds no adapter
     run = soup_train(config)
     record = _eval_record(run)
-    assert record["params"] == {
-        "method": "rmu", "alpha": 1200.0, "rmu_layer": 1, "rmu_coeff": 6.5, "rmu_params": "mlp", "rmu_tokens": "all"
+    params = dict(record["params"])
+    norm = params.pop("rmu_start_norm")
+    assert params == {
+        "method": "rmu", "alpha": 100.0, "rmu_layer": 1, "rmu_coeff": pytest.approx(5 * norm, rel=1e-6),
+        "rmu_params": "mlp", "rmu_tokens": "all",
     }
     # data.val_split holds rows of both sets out; they are measured, not trained on
     assert record["rows"] == {"forget": 6, "retain": 12, "forget_heldout": 2, "retain_heldout": 4}
@@ -298,6 +301,51 @@ def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup
         soup_train(unlearn_config("rmu-bad", training={"unlearn_method": "rmu", "unlearn_rmu_params": "lora",
                                                        "unlearn_rmu_layer": 5}))
     assert "training.unlearn_rmu_layer: 5 is not a decoder layer of this model (it has 2: 0 to 1)" in bad.value.message
+
+
+def _layer_norm(model_dir: Any, rows: list[dict[str, Any]], layer: int) -> float:
+    """Plain PyTorch: the mean norm of decoder layer ``layer``'s output over every token of ``rows``, one row
+    at a time (no padding), read by a forward hook on the layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[layer].register_forward_hook(
+        lambda module, args, out: seen.append((out[0] if isinstance(out, tuple) else out)[0].norm(dim=-1))
+    )
+    with torch.no_grad():
+        for row in rows:
+            model(input_ids=torch.tensor([row["input_ids"]]))
+    hook.remove()
+    return float(torch.cat(seen).mean())
+
+
+def test_rmu_scales_c_to_the_model_unless_it_is_set(soup_train, unlearn_config, tiny_model, demo_data):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from soup_core.default_plugins.sft import encode_rows
+
+    config = unlearn_config("rmu-c", training={"unlearn_method": "rmu", "max_steps": 1})
+    del config["training"]["lora"]
+    run = soup_train(config)
+    params = _eval_record(run)["params"]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [json.loads(line) for line in demo_data["forget"].read_text().splitlines()]
+    encoded = encode_rows(rows, tok, max_length=int(config["data"].get("max_length", 512)))
+    expected = _layer_norm(tiny_model, encoded, 1)
+    assert params["rmu_start_norm"] == pytest.approx(expected, rel=1e-4)
+    assert params["rmu_coeff"] == pytest.approx(5 * expected, rel=1e-4)
+    # control: another layer's norm is another number, so the steered layer's is the one measured
+    assert params["rmu_start_norm"] != pytest.approx(_layer_norm(tiny_model, encoded, 0), rel=1e-2)
+    assert "rmu: c = 5 × " in run.output
+
+    config = unlearn_config("rmu-c-set", training={"unlearn_method": "rmu", "max_steps": 1, "unlearn_rmu_coeff": 6.5})
+    del config["training"]["lora"]
+    params = _eval_record(soup_train(config))["params"]
+    assert params["rmu_coeff"] == 6.5 and "rmu_start_norm" not in params  # an explicit c is used as given
 
 
 def torch_equal(a: Any, b: Any) -> bool:

@@ -19,12 +19,18 @@ METHODS = ("npo", "simnpo", "rmu")
 
 #: β when ``training.unlearn_beta`` is not set: NPO's paper value, and SimNPO's (Fan et al., 2024).
 DEFAULT_BETA = {"npo": 0.1, "simnpo": 2.5}
-#: α when ``training.unlearn_alpha`` is not set: 1 for npo and simnpo; for rmu the value Li et al. (2024,
-#: WMDP) report for Zephyr-7B (their reference code's command-line default is 100).
-DEFAULT_ALPHA = {"npo": 1.0, "simnpo": 1.0, "rmu": 1200.0}
+#: α when ``training.unlearn_alpha`` is not set: 1 for npo and simnpo; for rmu 100, the default of Li et al.'s
+#: (2024, WMDP) reference code. The paper's tuned values follow no model-size rule (1200 for Zephyr-7B, 1600
+#: for Mixtral-8x7B), and 1200 held the demo's forget recall at 100% for every c measured (README).
+DEFAULT_ALPHA = {"npo": 1.0, "simnpo": 1.0, "rmu": 100.0}
 DEFAULT_GAMMA = 0.0
-#: RMU's steering coefficient c: Li et al. (2024)'s value for Zephyr-7B (their reference code defaults to 20).
-DEFAULT_RMU_COEFF = 6.5
+#: RMU's steering coefficient when ``unlearn_rmu_coeff`` is unset: c = RMU_COEFF_SCALE × the mean norm of the
+#: steered layer's output on the forget rows under the starting model (Adaptive RMU, Dang et al., 2025; their
+#: published scale is 5). c must be large against the activations it replaces, and a fixed c (the paper's 6.5
+#: for Zephyr-7B, 300 for Mixtral) is a different multiple of that norm for every model and layer.
+RMU_COEFF_SCALE = 5.0
+#: How many forget rows (in file order) that mean norm is measured on.
+RMU_NORM_ROWS = 64
 #: What RMU trains: ``mlp`` = the MLP parameters of layers l−2..l (the paper), ``lora`` = a LoRA adapter.
 RMU_PARAMS = ("mlp", "lora")
 #: Where RMU averages its two terms: ``all`` = every (non-padding) token (the reference code), ``answer`` =
@@ -60,8 +66,8 @@ FIELDS: tuple[ConfigField, ...] = (
         _TYPES + "NonNegativeFloatOrNone",
         None,
         "Weight of the retain loss (cross-entropy for npo/simnpo, activation distance for rmu). Unset: 1 for "
-        "npo and simnpo, 1200 for rmu (Li et al., 2024). 0 trains on the forget loss alone: the retain term "
-        "is not computed.",
+        "npo and simnpo, 100 for rmu (the default of Li et al.'s 2024 reference code). 0 trains on the forget "
+        "loss alone: the retain term is not computed.",
     ),
     ConfigField(
         "training.unlearn_beta",
@@ -84,10 +90,12 @@ FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "training.unlearn_rmu_coeff",
-        _TYPES + "PositiveFloat",
-        DEFAULT_RMU_COEFF,
+        _TYPES + "PositiveFloatOrNone",
+        None,
         "rmu: the steering coefficient c; forget activations are pushed toward c·u, u a fixed random unit "
-        "vector drawn from training.seed. Default 6.5 (Li et al., 2024, for Zephyr-7B).",
+        "vector drawn from training.seed. Unset: 5 × the mean norm of the steered layer's output on the "
+        "first 64 forget rows under the starting model (Adaptive RMU, Dang et al., 2025), measured before "
+        "the first step.",
     ),
     ConfigField(
         "training.unlearn_rmu_params",
@@ -131,7 +139,8 @@ def resolved(training: Any) -> dict[str, Any]:
         out["gamma"] = float(training.unlearn_gamma)
     if method == "rmu":
         out["rmu_layer"] = training.unlearn_rmu_layer  # None: the middle layer, known once the model is
-        out["rmu_coeff"] = float(training.unlearn_rmu_coeff)
+        coeff = training.unlearn_rmu_coeff  # None: scaled to the model, measured before the first step
+        out["rmu_coeff"] = None if coeff is None else float(coeff)
         out["rmu_params"] = str(training.unlearn_rmu_params)
         out["rmu_tokens"] = str(training.unlearn_rmu_tokens)
     return out
@@ -146,7 +155,9 @@ def describe(params: dict[str, Any]) -> str:
         parts.append(f"γ={params['gamma']:g}")
     if "rmu_coeff" in params:
         layer = params.get("rmu_layer")
-        parts.append(f"layer {'middle' if layer is None else layer}, c={params['rmu_coeff']:g}")
+        coeff = params["rmu_coeff"]
+        c = f"{RMU_COEFF_SCALE:g}×mean norm" if coeff is None else f"{coeff:g}"
+        parts.append(f"layer {'middle' if layer is None else layer}, c={c}")
         trains = "MLPs of layers l-2..l" if params.get("rmu_params") == "mlp" else "a LoRA adapter"
         parts.append(f"trains {trains}, averaged over {params.get('rmu_tokens')} tokens")
     parts.append(f"retain weight α={params['alpha']:g}")

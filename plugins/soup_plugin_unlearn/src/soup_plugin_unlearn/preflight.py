@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from soup_core.contracts import PreflightReport
-from soup_plugin_unlearn.fields import DEFAULT_GAMMA, DEFAULT_RMU_COEFF, describe, resolved
+from soup_plugin_unlearn.fields import DEFAULT_GAMMA, describe, resolved
 
 #: The adapter settings rmu's published recipe (``unlearn_rmu_params: mlp``) has no use for.
 LORA_PATHS = ("training.lora.r", "training.lora.alpha", "training.lora.dropout", "training.lora.target_modules")
@@ -31,7 +31,7 @@ def _unused(config: Any) -> list[tuple[str, str]]:
         found.append(("training.unlearn_gamma", "simnpo"))
     if t.unlearn_rmu_layer is not None and method != "rmu":
         found.append(("training.unlearn_rmu_layer", "rmu"))
-    if t.unlearn_rmu_coeff != DEFAULT_RMU_COEFF and method != "rmu":
+    if t.unlearn_rmu_coeff is not None and method != "rmu":
         found.append(("training.unlearn_rmu_coeff", "rmu"))
     if t.unlearn_rmu_params != "mlp" and method != "rmu":
         found.append(("training.unlearn_rmu_params", "rmu"))

@@ -37,7 +37,7 @@ from soup_core import atomic_write, micro_batches
 from soup_core.default_plugins.sft import encode_rows
 from soup_core.default_plugins.transformers import BackendError, RowCollator, SoupTrainerMixin
 from soup_plugin_unlearn.evaluate import SET_ORDER, measure
-from soup_plugin_unlearn.fields import resolved
+from soup_plugin_unlearn.fields import RMU_COEFF_SCALE, RMU_NORM_ROWS, resolved
 from soup_plugin_unlearn.losses import (
     control_vector,
     npo_loss,
@@ -127,15 +127,24 @@ class UnlearnObjective(Trainer):
     loss_is_scaled_for_ga = False
 
     def unlearn_attach(
-        self, params: dict[str, Any], retain: list[dict[str, Any]], *, seed: int, data_seed: int
+        self,
+        params: dict[str, Any],
+        retain: list[dict[str, Any]],
+        *,
+        seed: int,
+        data_seed: int,
+        forget: list[dict[str, Any]] = (),
     ) -> None:
         """Set the method and its coefficients, the retain rows and their schedule (once, after
-        ``from_setup``)."""
+        ``from_setup``). ``forget`` (the encoded forget rows) is needed by rmu without ``rmu_coeff``."""
         self.method: str = params["method"]
         self.alpha: float = float(params["alpha"])
         self.beta: float = float(params.get("beta", 1.0))
         self.gamma: float = float(params.get("gamma", 0.0))
-        self.rmu_coeff: float = float(params.get("rmu_coeff", 1.0))
+        coeff = params.get("rmu_coeff")
+        self.rmu_coeff: float = 1.0 if coeff is None else float(coeff)
+        #: rmu without an explicit c: the measured mean norm c is a multiple of (None otherwise)
+        self.rmu_start_norm: float | None = None
         self.soup_coefficients = COEFFICIENTS[self.method]
         self.retain_rows = retain
         self.retain_schedule = RetainSchedule(
@@ -175,6 +184,9 @@ class UnlearnObjective(Trainer):
             hidden = int(base.config.hidden_size)
             self.rmu_unit = control_vector(hidden, 1.0, seed)  # c·u is rebuilt from rmu_coeff at each use
             layers[layer].register_forward_hook(self._keep_layer_output)
+            if params.get("rmu_coeff") is None:
+                self.rmu_start_norm = self.start_norm(list(forget)[:RMU_NORM_ROWS])
+                self.rmu_coeff = RMU_COEFF_SCALE * self.rmu_start_norm
 
     # ---------------------------------------------------------------------------------- rmu activations
 
@@ -207,6 +219,28 @@ class UnlearnObjective(Trainer):
         if self._captured is None:
             raise BackendError(f"rmu: decoder layer {self.rmu_layer} did not run in the forward pass")
         return self._captured, output
+
+    def start_norm(self, rows: list[dict[str, Any]]) -> float:
+        """The mean norm ``‖h_t‖`` of the steered layer's output over the positions the forget term averages
+        (``rmu_mask``), on ``rows`` under the starting model: what c is a multiple of when it is not set. On
+        the base, never a checkpoint, so a resumed run steers to the same c·u."""
+        total, count = 0.0, 0
+        size = max(1, int(self.args.per_device_train_batch_size))
+        with torch.no_grad(), self.starting_model() as start:
+            for i in range(0, len(rows), size):
+                batch = self.data_collator(rows[i : i + size])
+                batch.pop("row_index", None)
+                batch = self._prepare_inputs(batch)
+                acts = self._layer_output(start, batch, frozen=True)[0].float()
+                mask = self.rmu_mask(batch).to(acts.device)
+                total += float((acts.norm(dim=-1) * mask).sum())
+                count += int(mask.sum())
+        if count == 0:
+            raise BackendError(
+                "rmu: the forget rows have no token to measure the steered layer's activations on, so the "
+                "steering coefficient cannot be scaled to the model; set training.unlearn_rmu_coeff"
+            )
+        return total / count
 
     # ---------------------------------------------------------------------------------- the objective
 
@@ -449,10 +483,18 @@ def build_trainer(task: Any, setup: Any, *, trainer_class: type = UnlearnTrainer
         collator=RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=False),
     )
     trainer.unlearn_attach(
-        params, retain_rows, seed=int(config.training.seed), data_seed=int(setup.data_seed)
+        params, retain_rows, seed=int(config.training.seed), data_seed=int(setup.data_seed), forget=train
     )
     if trainer.rmu_layer is not None:
         params["rmu_layer"] = trainer.rmu_layer
+    if trainer.rmu_start_norm is not None:
+        params["rmu_coeff"], params["rmu_start_norm"] = trainer.rmu_coeff, trainer.rmu_start_norm
+        if ctx.rank == 0:
+            ctx.report(
+                f"rmu: c = {RMU_COEFF_SCALE:g} × {trainer.rmu_start_norm:.4g} (the mean norm of layer "
+                f"{trainer.rmu_layer}'s output on the first {min(len(train), RMU_NORM_ROWS)} forget rows) "
+                f"= {trainer.rmu_coeff:.4g}"
+            )
     sets = {
         "forget": train,
         "retain": retain_rows,
