@@ -167,14 +167,16 @@ def test_dry_run_fills_the_cache_train_reads_it_and_soup_cache_lists_and_clears(
     env = {"SOUP_HOME": str(soup_home)}
     dry = run_soup(["train", "--config", str(tmp_path / "soup.yaml"), "--dry-run"], env=env, cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    assert "prepared data encoded now" in dry.stdout
     train = run_soup(["train", "--config", str(tmp_path / "soup.yaml")], env=env, cwd=tmp_path, timeout=300)
     assert train.returncode == 0, train.stderr
-    assert "40 encoded rows from the cache" in train.stdout and "tokenising" not in train.stdout
+    # max_steps 2 x batch 2: the dry run prepared the (2 + 1 + 2) x 2 rows the run can reach, and the run read them
+    assert "prepared data encoded now: 10 of 40 rows, the ones training.max_steps=2 can reach" in dry.stdout
+    assert "prepared data from the cache: 10 of 40 rows" in train.stdout and "tokenising" not in train.stdout
     listed = run_soup(["cache", "list"], env=env)
-    assert listed.returncode == 0 and "1 entries" in listed.stdout and "encoded" in listed.stdout
+    assert listed.returncode == 0 and "2 entries" in listed.stdout, listed.stdout  # the rows and their tokens
+    assert "rows of train.jsonl" in listed.stdout and "task sft, max_length 64" in listed.stdout
     cleared = run_soup(["cache", "clear"], env=env)
-    assert cleared.returncode == 0 and "removed 1 entries" in cleared.stdout
+    assert cleared.returncode == 0 and "removed 2 entries" in cleared.stdout
     assert "0 entries" in run_soup(["cache", "list"], env=env).stdout
 
 
@@ -220,3 +222,63 @@ def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_pat
     built, cached = both()
     assert cached.rows.path != again.rows.path and cached.n_rows == built.n_rows
     assert list(cached.rows) == built.rows and cached.fingerprint == built.fingerprint
+
+
+def test_encoding_in_several_processes_gives_the_same_rows_and_names_a_bad_row(setup, monkeypatch):
+    import os
+
+    from soup_core.default_plugins import prepared as prepared_module
+    from soup_core.default_plugins.sft import EncodingError, encode_rows
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: encoding stays in one process")
+    monkeypatch.setattr(prepared_module, "CHUNK", 4)
+    training = setup.training()
+    said: list[str] = []
+    got = prepared_module.prepare_encoded(setup.task, training, setup.tokenizer, _config(), report=said.append)
+    assert got.meta["train"]["files"] >= 2  # control: it did run in several processes
+    expected = encode_rows(training.rows, setup.tokenizer, max_length=64)
+    assert [(e["input_ids"], e["labels"], e["row_index"]) for e in got.train.to_list()] == [
+        (e["input_ids"], e["labels"], e["row_index"]) for e in expected]
+    bad = [*training.rows[:30], {"odd": "row"}, *training.rows[30:]]
+    with pytest.raises(EncodingError, match=r"^training row 30: the sft task cannot train on an example with keys"):
+        prepared_module.prepare_encoded(setup.task, SimpleNamespace(rows=bad, val_rows=[], fingerprint="x"),
+                                        setup.tokenizer, _config())
+
+
+def test_max_steps_prepares_only_the_rows_the_run_reaches(setup):
+    from soup_core.data import micro_batches
+    from soup_core.default_plugins.prepared import prepare_encoded, rows_used
+
+    training = setup.training()  # 36 training rows
+    config = _config()
+    config.training = SimpleNamespace(max_steps=3, gradient_accumulation_steps=2, batch_size=2)
+    used = rows_used(config, 36)
+    # (3 steps + 1) x 2 micro-batches + 2 read ahead by the data loader
+    reached = {r for b in micro_batches(36, batch_size=2, epoch=0, seed=0)[:10] for r in b}
+    assert used == sorted(reached) and len(used) == 20
+    config.training.max_steps = 1  # two ranks: (1 + 1) x 2 + 2 micro-batches of each
+    assert rows_used(config, 36, world_size=2) == sorted(
+        {r for rank in (0, 1) for b in micro_batches(36, batch_size=2, epoch=0, seed=0, rank=rank, world_size=2)[:6]
+         for r in b})
+    config.training.max_steps = 3  # two ranks: 10 micro-batches each, past an epoch of 9: every row
+    assert rows_used(config, 36, world_size=2) is None
+    config.training.max_steps = 17  # an epoch: every row
+    assert rows_used(config, 36) is None
+    config.training.max_steps = 3
+    got = prepare_encoded(setup.task, training, setup.tokenizer, config)
+    rows = got.train.to_list()
+    assert [r["row_index"] for r in rows] == list(range(36))
+    assert {r["row_index"] for r in rows if r["input_ids"]} == reached  # only those rows are encoded
+    full = prepare_encoded(setup.task, training, setup.tokenizer, _config())
+    assert full.folder != got.folder and all(r["input_ids"] for r in full.train.to_list())
+
+
+def test_the_collator_refuses_a_row_that_was_not_prepared():
+    from soup_core.default_plugins.transformers.trainer import RowCollator
+
+    collate = RowCollator(pad_token_id=0, packing=False)
+    assert collate([{"input_ids": [1, 2], "labels": [1, 2], "row_index": 0}])["input_ids"].shape == (1, 2)
+    with pytest.raises(RuntimeError, match=r"training rows \[7\] were not prepared"):
+        collate([{"input_ids": [1, 2], "labels": [1, 2], "row_index": 0},
+                 {"input_ids": [], "labels": [], "row_index": 7}])

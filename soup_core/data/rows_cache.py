@@ -37,7 +37,10 @@ class ArrowRows(Sequence):
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return list(map(self._decode, self._data.slice(start, max(0, stop - start)).to_pylist()))
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):

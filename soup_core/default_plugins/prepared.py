@@ -16,9 +16,8 @@ import hashlib
 import json
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -114,28 +113,48 @@ class _Speed:
         self.last, self.said = now, True
 
 
-def _write(path: Path, rows: Iterable[Any], n_rows: int, encode: Callable[[list[Any]], list[dict[str, Any]]],
-           progress: Callable[[int], None], max_length: int) -> dict[str, Any]:
-    """Encode ``rows`` a chunk at a time into an Arrow stream file; returns the lengths summary and the rows
-    left without a supervised token."""
+def _write(path: Path, rows: Any, lo: int, hi: int, encode: Callable[[list[Any]], list[dict[str, Any]]],
+           progress: Callable[[int], None], used: Any = None) -> dict[str, Any]:
+    """Encode rows ``lo..hi-1`` a chunk at a time into an Arrow stream file; returns their lengths, the rows
+    left without a supervised token and whether rows carry labels. With ``used`` (a set of row indices) only
+    those rows are encoded; every other row is a placeholder with no tokens, which the collator refuses."""
     import pyarrow as pa
 
     writer, schema = None, None
     lengths, empty, has_labels = array("l"), [], False
-    source, start = iter(rows), 0
     try:
-        while chunk := list(islice(source, CHUNK)):
-            encoded = encode(chunk)
+        for start in range(lo, hi, CHUNK):
+            stop = min(start + CHUNK, hi)
+            if used is None:
+                chunk = rows[start:stop]
+            else:
+                picked = [i for i in range(start, stop) if i in used]
+                chunk = [rows[i] for i in picked] if len(picked) < (stop - start) // 4 else rows[start:stop]
+                if len(chunk) != len(picked):
+                    chunk = [chunk[i - start] for i in picked]
+            try:
+                encoded = encode(chunk) if chunk else []
+            except ValueError as exc:  # the task numbers rows within the chunk: name the training row
+                row, detail = getattr(exc, "row", None), getattr(exc, "detail", "")
+                if isinstance(row, int) and detail and hasattr(exc, "with_row"):
+                    error = type(exc)(f"training row {start + row}: {detail}").with_row(start + row)
+                    error.detail = detail
+                    raise error from exc
+                raise
             if len(encoded) != len(chunk):
                 raise RuntimeError(f"the task's encode returned {len(encoded)} rows for {len(chunk)}")
             for example in encoded:
-                example["row_index"] = int(example["row_index"]) + start
+                example["row_index"] = int(example["row_index"]) + start if used is None else \
+                    picked[int(example["row_index"])]
                 lengths.append(len(example["input_ids"]))
                 labels = example.get("labels")
                 if labels is not None:
                     has_labels = True
                     if labels.count(IGNORE) == len(labels):
                         empty.append(example["row_index"])
+            if used is not None:  # placeholders keep every row at its index
+                by_row = {e["row_index"]: e for e in encoded}
+                encoded = [by_row.get(i) or {"input_ids": [], "labels": [], "row_index": i} for i in range(start, stop)]
             table = pa.Table.from_pylist(encoded)
             if schema is None:
                 fields = [pa.field(f.name, pa.list_(pa.int32())) if f.name in ("input_ids", "labels") else f
@@ -143,25 +162,111 @@ def _write(path: Path, rows: Iterable[Any], n_rows: int, encode: Callable[[list[
                 schema = pa.schema(fields)
                 writer = pa.ipc.new_stream(str(path), schema)
             writer.write_table(table.select(schema.names).cast(schema))
-            start += len(chunk)
-            progress(start)
+            progress(stop - lo)
     finally:
         if writer is not None:
             writer.close()
-    ordered = sorted(lengths)
-    summary = {"n": start, "has_labels": has_labels, "empty": empty}
+    return {"lengths": lengths, "empty": empty, "has_labels": has_labels}
+
+
+def _summary(parts: list[dict[str, Any]], n_files: int, max_length: int) -> dict[str, Any]:
+    ordered = sorted(n for part in parts for n in part["lengths"])
+    summary = {"n": len(ordered), "files": n_files, "has_labels": any(p["has_labels"] for p in parts),
+               "empty": [r for part in parts for r in part["empty"]]}
     if ordered:
         summary.update(min=ordered[0], median=ordered[len(ordered) // 2], max=ordered[-1],
                        cut=sum(1 for n in ordered if n >= max_length))
     return summary
 
 
-def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
-                    report: Callable[[str], None] = lambda message: None) -> Prepared:
-    """The task's encoding of the training list's rows (and validation rows), from the cache or encoded now
-    (a chunk at a time, with progress) and cached."""
-    from datasets import Dataset
+def rows_used(config: Any, n_rows: int, world_size: int = 1) -> list[int] | None:
+    """The training rows a run with ``training.max_steps`` can reach: every row of the first ``(max_steps + 1)
+    x gradient_accumulation_steps + 2`` micro-batches of every rank, in the core's order. A step at an epoch's
+    end may take fewer micro-batches, never more, and the data loader reads a batch or two ahead of the
+    step it trains, so this is an upper bound. None when that is every row."""
+    from soup_core.data import micro_batches
 
+    t = getattr(config, "training", None)
+    if not getattr(t, "max_steps", None) or n_rows == 0:
+        return None
+    wanted = (int(t.max_steps) + 1) * int(t.gradient_accumulation_steps) + 2
+    used: set[int] = set()
+    epoch = 0
+    while wanted > 0 and len(used) < n_rows:
+        per_rank = [micro_batches(n_rows, batch_size=int(t.batch_size), epoch=epoch, seed=int(config.data.seed),
+                                  rank=r, world_size=world_size) for r in range(world_size)]
+        take = min(wanted, len(per_rank[0]))
+        for batches in per_rank:
+            for batch in batches[:take]:
+                used.update(batch)
+        wanted -= take
+        epoch += 1
+    return None if len(used) >= n_rows else sorted(used)
+
+
+#: Set in the parent just before it forks the encoding workers, which inherit it (nothing is pickled).
+_JOB: dict[str, Any] = {}
+
+
+def _work(part: tuple[int, int, int]) -> dict[str, Any]:
+    index, lo, hi = part
+    done = _JOB["done"]
+
+    def progress(n: int, last: list[int] = [0]) -> None:  # noqa: B006 - one counter per worker process
+        with done.get_lock():
+            done.value += n - last[0]
+        last[0] = n
+
+    return _write(_JOB["folder"] / f"train-{index}.arrow", _JOB["rows"], lo, hi, _JOB["encode"], progress,
+                  _JOB["used"])
+
+
+def _workers(n_rows: int) -> int:
+    """Processes to encode with: one per core this process may use (at most 8), when the rows are many enough
+    to pay for starting them, on Linux (fork), and never once CUDA is initialised in this process."""
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux") or n_rows < 4 * CHUNK:
+        return 1
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return 1
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, 8, n_rows // (2 * CHUNK)))
+
+
+def _encode_train(folder: Path, rows: Any, encode: Callable[[list[Any]], list[dict[str, Any]]],
+                  progress: Callable[[int], None], max_length: int, used: Any = None) -> dict[str, Any]:
+    n_rows = len(rows)
+    workers = _workers(n_rows if used is None else len(used))
+    if workers == 1:
+        return _summary([_write(folder / "train-0.arrow", rows, 0, n_rows, encode, progress, used)], 1, max_length)
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    size = -(-n_rows // workers)
+    parts = [(k, k * size, min(n_rows, (k + 1) * size)) for k in range(workers)]
+    _JOB.update(folder=folder, rows=rows, encode=encode, done=context.Value("q", 0), used=used)
+    try:
+        with context.Pool(workers) as pool:
+            pending = pool.map_async(_work, parts)
+            while not pending.ready():
+                pending.wait(0.5)
+                progress(_JOB["done"].value)
+            results = pending.get()
+    finally:
+        _JOB.clear()
+    progress(n_rows)
+    return _summary(results, workers, max_length)
+
+
+def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
+                    report: Callable[[str], None] = lambda message: None, load: bool = True,
+                    world_size: int = 1) -> Prepared:
+    """The task's encoding of the training list's rows (and validation rows), from the cache or encoded now
+    (a chunk at a time, in one process per core, with progress) and cached. ``load=False`` (the dry run)
+    fills the cache and reads only its summary."""
     from soup_core.data.cache import filled, meta
 
     max_length = int(config.data.max_length)
@@ -169,21 +274,43 @@ def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
     def encode(chunk: list[Any]) -> list[dict[str, Any]]:
         return task.encode(chunk, tokenizer, config)
 
+    n_rows = len(training.rows)
+    used = rows_used(config, n_rows, world_size) if cacheable(task) else None
+    parts = key_parts(task, training, tokenizer, config)
+    if used is not None:  # a max_steps run prepares the rows it can reach: its own entry
+        parts["rows_used"] = hashlib.sha256(array("l", used).tobytes()).hexdigest()
+
     def fill(folder: Path) -> dict[str, Any]:
-        facts: dict[str, Any] = {}
-        n_train = len(training.rows)
-        speed = _Speed(n_train, "tokenising the training rows", report)
-        facts["train"] = _write(folder / "train.arrow", training.rows, n_train, encode, speed, max_length)
+        facts: dict[str, Any] = {"rows": n_rows}
+        speed = _Speed(n_rows, "tokenising the training rows", report)
+        facts["train"] = _encode_train(folder, training.rows, encode, speed, max_length,
+                                       None if used is None else set(used))
         val_rows = training.val_rows or []
         if len(val_rows):
-            facts["val"] = _write(folder / "val.arrow", val_rows, len(val_rows), encode, lambda n: None, max_length)
+            part = _write(folder / "val.arrow", val_rows, 0, len(val_rows), encode, lambda n: None)
+            facts["val"] = _summary([part], 1, max_length)
         return facts
 
-    folder, was_filled = filled("encoded", key_parts(task, training, tokenizer, config), fill)
+    folder, was_filled = filled("encoded", parts, fill)
     facts = meta(folder)
-    train = Dataset.from_file(str(folder / "train.arrow"))
+    if not load:
+        return Prepared(train=None, val=None, folder=folder, filled=was_filled, meta=facts)
+    from datasets import Dataset, concatenate_datasets
+
+    parts = [Dataset.from_file(str(folder / f"train-{k}.arrow")) for k in range(int(facts["train"]["files"]))]
+    train = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     val = Dataset.from_file(str(folder / "val.arrow")) if (folder / "val.arrow").is_file() else None
     return Prepared(train=train, val=val, folder=folder, filled=was_filled, meta=facts)
+
+
+def _what(prepared: Prepared, config: Any) -> str:
+    how = "encoded now" if prepared.filled else "from the cache"
+    facts = prepared.meta.get("train", {})
+    total = int(prepared.meta.get("rows", facts.get("n", 0)))
+    if int(facts.get("n", 0)) < total:
+        return (f"prepared data {how}: {facts['n']:,} of {total:,} rows, the ones training.max_steps="
+                f"{config.training.max_steps} can reach")
+    return f"prepared data {how}: {total:,} rows"
 
 
 def _check(prepared: Prepared, training: Any, config: Any) -> list[int]:
@@ -191,7 +318,8 @@ def _check(prepared: Prepared, training: Any, config: Any) -> list[int]:
 
     if not prepared.meta.get("train", {}).get("has_labels"):
         return []
-    return check_supervision(prepared.train, training=training, max_length=int(config.data.max_length),
+    encoded = prepared.train if prepared.train is not None else range(int(prepared.meta["train"]["n"]))
+    return check_supervision(encoded, training=training, max_length=int(config.data.max_length),
                              on_bad_row=str(config.data.on_bad_row), empty=prepared.empty)
 
 
@@ -199,9 +327,10 @@ def prepared_datasets(task: Any, ctx: Any, tokenizer: Any) -> tuple[Any, Any]:
     """``datasets_for`` of a cacheable task: the training and validation datasets, checked for rows without a
     supervised token as the uncached path checks them."""
     report = ctx.report if ctx.rank == 0 else (lambda message: None)
-    prepared = prepare_encoded(task, ctx.training, tokenizer, ctx.config, report=report)
-    if not prepared.filled and ctx.rank == 0:
-        report(f"prepared data: {prepared.train.num_rows:,} encoded rows from the cache ({prepared.folder.name})")
+    prepared = prepare_encoded(task, ctx.training, tokenizer, ctx.config, report=report,
+                               world_size=int(ctx.world_size))
+    if ctx.rank == 0:
+        report(_what(prepared, ctx.config))
     skipped = _check(prepared, ctx.training, ctx.config)
     if skipped and ctx.rank == 0:
         report(f"{len(skipped)} training rows skipped: no supervised token within "
@@ -212,11 +341,10 @@ def prepared_datasets(task: Any, ctx: Any, tokenizer: Any) -> tuple[Any, Any]:
 def length_summary(task: Any, training: Any, tokenizer: Any, config: Any,
                    report: Callable[[str], None]) -> str:
     """The dry run's line on token lengths, from prepared data (filling the cache when it is cold)."""
-    prepared = prepare_encoded(task, training, tokenizer, config, report=report)
+    prepared = prepare_encoded(task, training, tokenizer, config, report=report, load=False)
     facts = prepared.meta.get("train", {})
     skipped = _check(prepared, training, config)
     limit = int(config.data.max_length)
-    how = "encoded now" if prepared.filled else "from the cache"
     line = (f"token lengths: min {facts['min']}, median {facts['median']}, max {facts['max']}; "
-            f"{facts['cut']} of {facts['n']} rows at data.max_length={limit} (truncated); prepared data {how}")
+            f"{facts['cut']} of {facts['n']} rows at data.max_length={limit} (truncated); {_what(prepared, config)}")
     return line + (f"; {len(skipped)} rows skipped (no supervised token left)" if skipped else "")

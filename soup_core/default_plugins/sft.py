@@ -27,6 +27,7 @@ class EncodingError(ValueError):
     """A row cannot be tokenised as asked (says which row, why, and how to fix it)."""
 
     row: int | None = None  # the row's position in the chunk being encoded, when known
+    detail: str = ""  # the message without "training row N: "
 
     def with_row(self, row: int) -> EncodingError:
         self.row = row

@@ -205,7 +205,10 @@ def encode_in_chunks(
             encoded = encode_chunk(picked, tokenizer, max_length=max_length,
                                    train_on_responses_only=train_on_responses_only)
         except EncodingError as exc:
-            raise EncodingError(f"training row {start + (exc.row or 0)}: {exc}") from exc
+            row = start + (exc.row or 0)
+            error = EncodingError(f"training row {row}: {exc}").with_row(row)
+            error.detail = str(exc)  # what is wrong, without the row: a caller that passed a slice renumbers it
+            raise error from exc
         for offset, (ids, labels) in enumerate(encoded):
             yield start + offset, ids, labels
         start += len(picked)

@@ -116,6 +116,10 @@ class RowCollator:
         self.inner = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=packing)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        unprepared = [int(e["row_index"]) for e in examples if not len(e["input_ids"])]
+        if unprepared:  # a row left out of prepared data (training.max_steps) must never train as nothing
+            raise RuntimeError(f"training rows {unprepared} were not prepared (no tokens): the run reached rows "
+                               "its training.max_steps said it would not")
         batch = self.inner([{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples])
         batch["row_index"] = torch.tensor([int(e["row_index"]) for e in examples], dtype=torch.long)
         for key in self.row_keys:
