@@ -133,7 +133,7 @@ class UnlearnObjective(Trainer):
         *,
         seed: int,
         data_seed: int,
-        forget: list[dict[str, Any]] = (),
+        forget: list[dict[str, Any]] | None = None,
     ) -> None:
         """Set the method and its coefficients, the retain rows and their schedule (once, after
         ``from_setup``). ``forget`` (the encoded forget rows) is needed by rmu without ``rmu_coeff``."""
@@ -185,7 +185,7 @@ class UnlearnObjective(Trainer):
             self.rmu_unit = control_vector(hidden, 1.0, seed)  # c·u is rebuilt from rmu_coeff at each use
             layers[layer].register_forward_hook(self._keep_layer_output)
             if params.get("rmu_coeff") is None:
-                self.rmu_start_norm = self.start_norm(list(forget)[:RMU_NORM_ROWS])
+                self.rmu_start_norm = self.start_norm(list(forget or [])[:RMU_NORM_ROWS])
                 self.rmu_coeff = RMU_COEFF_SCALE * self.rmu_start_norm
 
     # ---------------------------------------------------------------------------------- rmu activations
