@@ -206,3 +206,30 @@ def test_weights_over_the_snapshot_limit_are_neither_copied_nor_listed_again(mon
     big._snapshot(None)  # not listed again (a None model would fail if it were)
     big.applied = True
     assert big.after_update(1, 1.0) == {}  # no update size without the copy
+
+
+@pytest.mark.slow
+def test_a_controller_that_rolls_back_before_an_update_fails_the_run(run_training, quickstart_data):
+    from soup_core import hookimpl
+    from soup_core.contracts import Controller, Rollback, SkipUpdate
+
+    class Plugin:
+        SOUP_HOOK_API = (1, 1)
+
+        def __init__(self, action):
+            class Early(Controller):
+                name = "early"
+
+                def before_update(self, event):
+                    return (action,)
+
+            self.controller = Early
+
+        @hookimpl
+        def soup_register_controllers(self):
+            return [self.controller]
+
+    with pytest.raises(TrainingFailed, match="only SkipUpdate, ExcludeRows and Stop apply"):
+        run_training(_config(quickstart_data, max_steps=2), plugins=[("early", Plugin(Rollback()))])
+    skipped = run_training(_config(quickstart_data, max_steps=2), plugins=[("early", Plugin(SkipUpdate("no")))])
+    assert [s.metrics.get("update_skipped") for s in skipped.steps] == [1.0, 1.0]  # control: a veto is fine

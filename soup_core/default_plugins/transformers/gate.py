@@ -161,8 +161,11 @@ class UpdateGate:
                 trainer._soup_apply(action)
                 if action.failed and self.kept is not None:
                     self._restore(self.kept)
-            else:
-                trainer._soup_apply(action)
+            else:  # a rollback or a coefficient change now would meet gradients taken before it
+                from soup_core.default_plugins.transformers.loading import BackendError
+
+                raise BackendError(f"a controller returned {action!r} before an update, where only SkipUpdate, "
+                                   "ExcludeRows and Stop apply (return it from on_step)")
         if trainer.accelerator.num_processes > 1:  # one decision on every rank, whatever each saw
             flag = torch.tensor([1.0 if veto else 0.0], device=trainer.args.device)
             veto = bool(trainer.accelerator.reduce(flag, reduction="sum").item())
