@@ -8,7 +8,8 @@ Left out on purpose, so they are refused rather than ignored:
 - ``data.packing``: mlx-lm's attention has no per-row boundaries inside one packed sequence;
 - ``training.quantization`` / ``training.bnb_4bit_use_double_quant``: bitsandbytes NF4/int8 do not exist
   in MLX (its own 4-bit format is a different recipe);
-- ``training.report_to``: tensorboard / wandb / mlflow reporting is the transformers Trainer's.
+- ``training.report_to``: tensorboard / wandb / mlflow reporting is the transformers Trainer's;
+- ``data.chat_template``: chats are rendered with the template mlx-lm's tokenizer carries.
 """
 
 from __future__ import annotations
@@ -53,4 +54,5 @@ REFUSED_REASONS: dict[str, str] = {
     "training.bnb_4bit_use_double_quant": "bitsandbytes 4/8-bit quantisation does not exist in MLX",
     "training.report_to": "tensorboard/wandb/mlflow reporting belongs to the transformers Trainer",
     "training.save_total_limit": "the mlx trainer keeps every checkpoint it writes (it deletes none)",
+    "data.chat_template": "the mlx backend renders chats with the model's own template (mlx-lm's tokenizer)",
 }
