@@ -141,3 +141,27 @@ def test_a_base_without_a_template_trains_chat_rows_with_a_chosen_one(
                                    base_dir=tmp_path)
     assert training.origins[POISONED] == ("data.jsonl", line)
     assert training.origins[POISONED - 1] == ("data.jsonl", line - 1)
+
+
+def test_merge_carries_the_runs_template(tmp_path: Path, monkeypatch, capsys, torch_one_thread, tiny_model: Path,
+                                          soup_home: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from soup_core.cli.main import main
+
+    base = _base_without_template(tiny_model, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _write_rows(tmp_path / "data.jsonl")
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {base}\noutput: ./adapter\ndata:\n  train: data.jsonl\n  chat_template: zephyr\n"
+        "training:\n  max_steps: 2\n  batch_size: 2\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as trained:
+        main(["train"])
+    assert trained.value.code in (0, None), capsys.readouterr()
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    with pytest.raises(SystemExit) as merged:
+        main(["merge", "adapter", "-o", "merged"])
+    assert merged.value.code in (0, None), capsys.readouterr()
+    for folder in ("adapter", "merged"):
+        assert AutoTokenizer.from_pretrained(tmp_path / folder).chat_template == TEMPLATES["zephyr"], folder
+    assert not AutoTokenizer.from_pretrained(base).chat_template  # control: the base still has none
