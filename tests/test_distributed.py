@@ -110,7 +110,8 @@ def test_fsdp_trains_and_saves_what_ddp_does(tmp_path: Path, tiny_model: Path, l
     # recomputed activations change no number
     same = {"lora": {"r": lora_r}, "gradient_checkpointing": lora_r == 0}
     reference, ddp_folder = ddp(lora_r)
-    fsdp = train(config(tmp_path, tiny_model, "fsdp", **same, sharding="fsdp"), tmp_path / "home")
+    saves = {"save_steps": 2} if lora_r else {}  # the LoRA run also checkpoints, and is resumed below
+    fsdp = train(config(tmp_path, tiny_model, "fsdp", **same, **saves, sharding="fsdp"), tmp_path / "home")
     assert reference["status"] == fsdp["status"] == "completed"
     # FSDP really sharded the weights (DTensors); DDP held whole replicas (the control)
     assert fsdp["summary"]["sharded_parameters"] > 0 and reference["summary"]["sharded_parameters"] == 0
@@ -129,6 +130,12 @@ def test_fsdp_trains_and_saves_what_ddp_does(tmp_path: Path, tiny_model: Path, l
     with torch.no_grad():
         untrained = AutoModelForCausalLM.from_pretrained(tiny_model)(torch.tensor([[1, 5, 9, 3, 7, 2]])).logits
     assert not close(trained, untrained)
+    if lora_r:  # resumed from FSDP's step-2 checkpoint (its optimizer state and shards), it ends where it did
+        cfg = config(tmp_path, tiny_model, "resumed", **same, sharding="fsdp")
+        resumed = train(cfg, tmp_path / "home", "--resume", str(tmp_path / "fsdp" / "checkpoint-2"))
+        assert resumed["status"] == "completed" and same_losses(resumed["losses"], fsdp["losses"][2:])
+        again = tensors(tmp_path / "resumed")
+        assert all(close(again[k], mine[k]) for k in mine)
 
 
 @pytest.fixture
@@ -325,8 +332,8 @@ def test_the_support_table_says_what_shards(monkeypatch: pytest.MonkeyPatch) -> 
         assert "'shardable'" in reason or "one process" in reason, (backend, task, reason)
     # streaming is one process: under a launcher (which sharding needs) its pre-flight refuses the run
     if "training.stream_layers" in dict(plugins.config_fields.items()):
-        config = load_config_text("base: m\ndata:\n  train: t.jsonl\ntraining:\n  sharding: fsdp\n  stream_layers: true\n",
-                                  plugins=plugins)
+        text = "base: m\ndata:\n  train: t.jsonl\ntraining:\n  sharding: fsdp\n  stream_layers: true\n"
+        config = load_config_text(text, plugins=plugins)
         monkeypatch.setenv("WORLD_SIZE", "2")
         refusals = [r.refusal for _, r in plugins.call_preflight(config) if r.refusal]
         assert any("trains in one process" in r for r in refusals), refusals

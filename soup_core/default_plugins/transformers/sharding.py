@@ -130,6 +130,11 @@ def enable_on_cpu(trainer: Any) -> None:
             state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
         state.distributed_type = DistributedType.FSDP
         trainer.is_fsdp_enabled = True
+    from accelerate.state import PartialState
+
+    # every AcceleratorState() copies PartialState's type over its own: without this, saving and resuming
+    # would find MULTI_CPU again and take DDP's paths on FSDP's shards (a rank-0-only load that never ends)
+    PartialState().distributed_type = DistributedType.FSDP
     if trainer.accelerator.device.type == "cpu":
         trainer.accelerator.get_state_dict = _whole_state_dict
 
