@@ -76,7 +76,8 @@ def soup_register_recorders() -> list[type[Recorder]]:
 @hookspec
 def soup_register_controllers() -> list[type[Controller]]:
     """Return controller classes. One instance per run gets ``on_step`` after every optimizer step and
-    may return actions (set a coefficient, roll back, stop) that the backend applies.
+    may return actions (set a coefficient, roll back, stop) that the backend applies; ``before_update``
+    (optional, not a hook: the hook API is unchanged) may skip an update or exclude rows before it is applied.
 
     A controller that raises stops the run with a message naming the plugin.
     """
