@@ -172,9 +172,15 @@ def test_what_cannot_shard_here_is_refused_with_the_reason(tmp_path: Path, tiny_
     # offload without a sharding that offloads; sharding on one process
     code, _, err = soup(["train", "-c", str(config(tmp_path, tiny_model, "off", cpu_offload=True)), "--dry-run"])
     assert code == 1 and "training.cpu_offload needs training.sharding fsdp or zero3" in err
-    sharded = config(tmp_path, tiny_model, "one", sharding="fsdp", cpu_offload=True)
+    sharded = config(tmp_path, tiny_model, "one", sharding="fsdp")
     code, _, err = soup(["train", "-c", str(sharded), "--dry-run"])
     assert code == 1 and "shards the model over several processes, and this run has one" in err
+    import torch
+
+    if not torch.cuda.is_available():  # offload from GPUs that are not there
+        offload = config(tmp_path, tiny_model, "cpu", sharding="fsdp", cpu_offload=True)
+        code, _, err = soup(["train", "-c", str(offload), "--dry-run", "--nproc", "2"])
+        assert code == 1 and "it trains on the CPU already" in err
     quantised = config(tmp_path, tiny_model, "q", sharding="fsdp", quantization="4bit")
     code, _, err = soup(["train", "-c", str(quantised), "--dry-run", "--nproc", "2"])
     assert code == 1 and "sharding a bitsandbytes model is not supported here" in err, err

@@ -33,6 +33,9 @@ def sharding_problem(config: Any) -> str | None:
                 "model is not supported here; shard the unquantised model (LoRA on a sharded bf16 base), or "
                 "train the quantised one with training.sharding: none")
     problem = _deepspeed_problem(mode) if mode in ("zero2", "zero3") else None
+    if problem is None and getattr(t, "cpu_offload", False) and not _accelerator():
+        problem = ("training.cpu_offload moves the shards from the GPUs to the CPU, and this run has no GPU: it "
+                   "trains on the CPU already; remove training.cpu_offload")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if problem is None and mode != "none" and world < 2:
         problem = (f"training.sharding {mode} shards the model over several processes, and this run has one; "
@@ -60,6 +63,12 @@ def _deepspeed_problem(mode: str) -> str | None:
     return None
 
 
+def _accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def decoder_layers(model: Any) -> list[str]:
     """The class names FSDP wraps one by one: the model's decoder layers (transformers' ``_no_split_modules``,
     which PEFT's wrapper does not carry itself)."""
@@ -81,12 +90,13 @@ def training_kwargs(config: Any, model: Any) -> dict[str, Any]:
         return {}
     gc = bool(t.gradient_checkpointing)
     if mode == "fsdp":
-        options = "full_shard auto_wrap" + (" offload" if t.cpu_offload else "")
+        # full_shard: reshard_after_forward; one unit per decoder layer (transformer-based wrapping)
         fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": decoder_layers(model),
                        "activation_checkpointing": gc, "state_dict_type": "FULL_STATE_DICT",
-                       "reshard_after_forward": True, "cpu_ram_efficient_loading": False}
+                       "reshard_after_forward": True, "cpu_offload": bool(t.cpu_offload),
+                       "cpu_ram_efficient_loading": False}
         # FSDP checkpoints activations itself; the Trainer's own checkpointing on top is refused by accelerate
-        return {"fsdp": options, "fsdp_config": fsdp_config, **_no_trainer_checkpointing()}
+        return {"fsdp": True, "fsdp_config": fsdp_config, **_no_trainer_checkpointing()}
     stage = 2 if mode == "zero2" else 3
     zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if t.cpu_offload:
