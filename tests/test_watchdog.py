@@ -233,3 +233,16 @@ def test_a_controller_that_rolls_back_before_an_update_fails_the_run(run_trainin
         run_training(_config(quickstart_data, max_steps=2), plugins=[("early", Plugin(Rollback()))])
     skipped = run_training(_config(quickstart_data, max_steps=2), plugins=[("early", Plugin(SkipUpdate("no")))])
     assert [s.metrics.get("update_skipped") for s in skipped.steps] == [1.0, 1.0]  # control: a veto is fine
+
+
+@pytest.mark.slow
+def test_a_skipped_update_changes_no_weight(run_training, quickstart_data, monkeypatch, torch_one_thread):
+    """The NaN step's update applies nothing: three steps with the third skipped end on exactly the weights
+    of two steps; control: a clean third step moves them."""
+    torch = torch_one_thread
+    two = _weights(run_training(_config(quickstart_data, max_steps=2)).output_dir)
+    three = _weights(run_training(_config(quickstart_data, max_steps=3)).output_dir)
+    monkeypatch.setenv("SOUP_TEST_NONFINITE_STEPS", "3")
+    skipped = _weights(run_training(_config(quickstart_data, max_steps=3)).output_dir)
+    assert all(torch.equal(two[k], skipped[k]) for k in two)
+    assert not all(torch.equal(two[k], three[k]) for k in two)
