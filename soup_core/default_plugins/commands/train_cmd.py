@@ -40,6 +40,10 @@ another run's files is refused unless the run resumes from it or --overwrite rem
 removes only what Soup wrote there: soup_config.yaml, checkpoint-* folders, the model, adapter, tokenizer
 and training_args files, and whatever the previous run listed in OUTPUT/.soup_run.json; nothing else.
 
+--nproc N trains on N processes of this machine (DDP, or training.sharding); on several machines,
+start the same command on each with --nnodes, its own --node-rank and one --rdzv-endpoint
+(docs/distributed.md). A process that dies stops the others; the run is recorded failed.
+
 SIGTERM (a scheduler's pre-emption) and Ctrl-C save a checkpoint at the step in progress and print the
 command that resumes from it. --resume latest (or --resume OUTPUT_DIR) picks the newest complete
 checkpoint; resuming a run that already finished says so, exits 0 and records no run.
@@ -452,6 +456,10 @@ def _record_failure(run_id: str, code: int) -> None:
                   "run is recorded as failed", file=sys.stderr, flush=True)
 
 
+#: torchrun's note that c10d numbers the processes itself: --node-rank names the machine, as docs/distributed.md says
+_TORCHRUN_NOISE = ("node_rank is only used for static rdzv_backend",)
+
+
 def _relay_stderr(stream: Any, got: list[int]) -> None:
     """Pass torchrun's stderr (the ranks' too) through, except torchrun's own traceback for the signal the
     launcher forwarded: the ranks already said what happened and how to resume."""
@@ -459,7 +467,7 @@ def _relay_stderr(stream: Any, got: list[int]) -> None:
     for line in stream:
         if got and line.startswith("Traceback (most recent call last)"):
             skipping = True
-        if not skipping:
+        if not skipping and not line.startswith(_TORCHRUN_NOISE):
             sys.stderr.write(line)
             sys.stderr.flush()
         elif "SignalException" in line and not line.startswith(" "):
