@@ -57,6 +57,7 @@ class UpdateGate:
         self.applied = False
         self.skipped_steps: list[int] = []
         self.said_off = False
+        self.started = False  # the first micro-batches have been through mask()
         self.too_big = False  # trainable weights over SNAPSHOT_LIMIT_BYTES: no copy, no update size
         self.params: list[torch.Tensor] = []
         self.before: list[torch.Tensor] | None = None  # the weights before the current update
@@ -91,6 +92,9 @@ class UpdateGate:
         if restored:
             self.excluded.update(restored)
             restored.clear()
+        if not self.started:
+            self.started = True
+            self._same_on_every_rank()
         if not self.excluded:
             return False
         for batch in batches:
@@ -105,6 +109,24 @@ class UpdateGate:
                 else:
                     labels[slot] = IGNORE
         return True
+
+    def _same_on_every_rank(self) -> None:
+        """Rows restored at the start (a resumed quarantine) must be the same on every rank, or the ranks'
+        token counts, a collective, would stop matching: checked once, by all of them."""
+        if self.ctx.world_size <= 1:
+            return
+        import torch.distributed as dist
+
+        n = len(self.excluded)
+        both = torch.tensor([n, -n], dtype=torch.long, device=self.trainer.args.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if int(both[0]) != -int(both[1]):
+            from soup_core.default_plugins.transformers.loading import BackendError
+
+            raise BackendError(
+                f"the ranks restored different excluded rows ({-int(both[1])} to {int(both[0])}): a resumed "
+                "quarantine is read from the output folder, which every rank must see (a shared file system)"
+            )
 
     # ------------------------------------------------------------------ the update
 
