@@ -122,6 +122,9 @@ class Task:
     optional_data_keys: ClassVar[tuple[str, ...]] = ()
     formats: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: The step metric (``OptimizerStep.metrics``) this task minimises, for the watchdog's divergence rule;
+    #: empty: ``loss`` when ``capabilities`` has ``token_cross_entropy``, else only the non-finite rule.
+    divergence_metric: ClassVar[str] = ""
 
     def build(self, backend: Backend, context: Any) -> Any:  # pragma: no cover - interface
         """Build the backend-specific trainer for this task. ``context`` is what the backend passes: for

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from soup_core import hookimpl
 from soup_core.default_plugins.transformers.watchdog import IMPROVE_WINDOW, NONFINITE_WINDOW, Watchdog
 from soup_core.testing import TrainingFailed
 
@@ -246,3 +247,71 @@ def test_a_skipped_update_changes_no_weight(run_training, quickstart_data, monke
     skipped = _weights(run_training(_config(quickstart_data, max_steps=3)).output_dir)
     assert all(torch.equal(two[k], skipped[k]) for k in two)
     assert not all(torch.equal(two[k], three[k]) for k in two)
+
+
+def test_a_declared_step_metric_is_judged_one_step_late():
+    """A task's own divergence metric is reported after its step, so the value seen before step t's update
+    measured the weights before step t-1's; a blow-up is judged against the values measured before it."""
+    dog = Watchdog(divergence=True, signal="kl")
+    assert dog.lag == 1
+    steps = []
+    for step in range(1, 14):
+        value = None if step == 1 else 5.0  # the metric of step t-1; never improves
+        verdict = dog.before_update(step, 2.0, 1.0, value)
+        steps.append(verdict)
+        if verdict == "stop":
+            break
+        dog.after_update(step, 1.0, 50.0 if step == 1 else 0.01)
+    assert steps[-1] == "stop" and len(steps) == 1 + IMPROVE_WINDOW + 1  # values for steps 2..9 after it
+    assert "the kl never improved on 5.0000" in (dog.stop_reason or "")
+    control = Watchdog(divergence=True, signal="kl")  # control: the metric halves after the blow-up
+    for step in range(1, 14):
+        value = None if step == 1 else (5.0 if step == 2 else 2.0)
+        assert control.before_update(step, 2.0, 1.0, value) is None
+        control.after_update(step, 1.0, 50.0 if step == 1 else 0.01)
+
+
+class _Declares:
+    """A task plugin: sft with a step metric ``flat`` (always 3.0) its task declares, or not."""
+
+    SOUP_HOOK_API = (1, 1)
+
+    def __init__(self, metric: str) -> None:
+        from soup_core.default_plugins.sft import SFTTask
+        from soup_core.default_plugins.transformers import SoupSFTTrainer, datasets_for
+
+        class Trainer(SoupSFTTrainer):
+            def soup_step_metrics(self):
+                return {"flat": 3.0}
+
+        class Declares(SFTTask):
+            name = "declares"
+            capabilities = frozenset({"per_row_losses"})
+            divergence_metric = metric
+
+            def build(self, backend, context):
+                train, val = datasets_for(self, context)
+                return Trainer.from_setup(context, train, val)
+
+        self.task = Declares
+
+    @hookimpl
+    def soup_register_tasks(self):
+        return [self.task]
+
+    @hookimpl
+    def soup_register_support(self):
+        from soup_core.contracts import Support
+        from soup_core.default_plugins.transformers import HONOURED_FIELDS
+
+        return [Support("transformers", "declares", HONOURED_FIELDS)]
+
+
+@pytest.mark.slow
+def test_a_task_that_declares_its_metric_is_stopped_by_it(run_training, quickstart_data):
+    config = {**_config(quickstart_data, learning_rate=1e6, max_steps=20), "task": "declares"}
+    with pytest.raises(TrainingFailed, match="the flat never improved") as caught:
+        run_training(config, plugins=[("declares", _Declares("flat"))])
+    assert caught.value.exit_code == 1
+    plain = run_training(config, plugins=[("declares", _Declares(""))])  # control: nothing declared
+    assert plain.status == "completed" and len(plain.steps) == 20

@@ -45,9 +45,13 @@ class UpdateGate:
         self.events = ctx.events
         config = ctx.config
         self.watchdog = None
+        task = ctx.task
+        # what the watchdog judges divergence by: a task's own step metric, else a token cross-entropy's loss
+        self.signal = str(getattr(task, "divergence_metric", "") or "") or (
+            "loss" if "token_cross_entropy" in getattr(task, "capabilities", ()) else "")
         if watchdog_enabled(config):
             self.watchdog = Watchdog(
-                divergence="token_cross_entropy" in getattr(ctx.task, "capabilities", ()),
+                divergence=bool(self.signal), signal=self.signal or "loss",
                 learning_rate=float(config.training.learning_rate),
             )
         self.excluded: set[int] = set()
@@ -161,7 +165,8 @@ class UpdateGate:
         norm = None if grad_norm is None else float(grad_norm)
         actions: list[Any] = []
         if self.watchdog is not None:
-            verdict = self.watchdog.before_update(step, loss, norm)
+            objective = "loss" if self.signal == "loss" else trainer.soup_last_metrics.get(self.signal)
+            verdict = self.watchdog.before_update(step, loss, norm, objective)
             if verdict == "skip":
                 actions.append(SkipUpdate("watchdog: the loss or gradient is not finite"))
             elif verdict == "stop":

@@ -30,8 +30,11 @@ class Watchdog:
     """One run's watchdog state. The trainer calls :meth:`before_update` with each step's loss and gradient
     norm before the optimizer applies it, and :meth:`after_update` with the applied update's size."""
 
-    def __init__(self, *, divergence: bool, learning_rate: float | None = None) -> None:
+    def __init__(self, *, divergence: bool, learning_rate: float | None = None, signal: str = "loss") -> None:
         self.divergence = divergence
+        # the objective watched: the step's loss, known before its update (lag 0), or a step metric the
+        # task names, reported after its step, so seen one step late (lag 1)
+        self.signal, self.lag = signal, 0 if signal == "loss" else 1
         self.learning_rate = learning_rate
         self.nonfinite_steps: list[int] = []  # the current run of consecutive non-finite steps
         self.grad_norms: deque[float] = deque(maxlen=GRAD_HISTORY)
@@ -44,9 +47,12 @@ class Watchdog:
     def _lr(self) -> str:
         return f" (now {self.learning_rate:g})" if self.learning_rate is not None else ""
 
-    def before_update(self, step: int, loss: float | None, grad_norm: float | None) -> str | None:
+    def before_update(
+        self, step: int, loss: float | None, grad_norm: float | None, objective: float | None | str = "loss"
+    ) -> str | None:
         """The verdict on step ``step``'s update: None (apply it), ``"skip"`` or ``"stop"`` (the reason is
-        :attr:`stop_reason`; the update is not applied either)."""
+        :attr:`stop_reason`; the update is not applied either). ``objective``: the watched signal's latest
+        value when it is not the loss (the default, ``"loss"``, watches ``loss``)."""
         finite = (loss is None or math.isfinite(loss)) and (grad_norm is None or math.isfinite(grad_norm))
         if not finite:
             self.nonfinite_steps.append(step)
@@ -61,22 +67,26 @@ class Watchdog:
                 return "stop"
             return "skip"
         self.nonfinite_steps.clear()
-        if loss is not None and self.divergence:
-            if self.blowup is not None and step > self.blowup[0]:
-                self.best_after = min(self.best_after, loss)
-                if step - self.blowup[0] >= IMPROVE_WINDOW:
+        value = loss if objective == "loss" else objective
+        at = step - self.lag  # the step whose weights (before its update) the value measured
+        if isinstance(value, float | int) and math.isfinite(value) and self.divergence:
+            if self.blowup is not None and at > self.blowup[0]:
+                self.best_after = min(self.best_after, value)
+                if at - self.blowup[0] >= IMPROVE_WINDOW:
                     if self.best_after > self.best_before - MIN_IMPROVEMENT * abs(self.best_before):
                         b, what = self.blowup
                         self.stop_reason = (
                             f"watchdog: the update at step {b} blew up ({what}) and in the {IMPROVE_WINDOW} "
-                            f"steps since the loss never improved on {self.best_before:.4f} (best: "
+                            f"steps since the {self.signal} never improved on {self.best_before:.4f} (best: "
                             f"{self.best_after:.4f}): the run is diverging. Likely cause: the learning rate "
                             f"is too high; lower {KEY}{self._lr()}. The output holds the weights from before "
                             f"step {b}'s update."
                         )
                         return "stop"
                     self.blowup = None  # it recovered: the objective improved after all
-            self.best = min(self.best, loss)
+            elif self.blowup is not None:  # seen late, but measured before the blow-up
+                self.best_before = min(self.best_before, value)
+            self.best = min(self.best, value)
         return None
 
     def after_update(self, step: int, grad_norm: float | None, update_ratio: float | None) -> bool:
