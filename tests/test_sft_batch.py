@@ -101,10 +101,12 @@ def test_batched_encoding_equals_the_per_row_definition(tokenizer, unigram, fmt,
 
 def test_mixed_formats_in_small_chunks_keep_row_order(tokenizer, monkeypatch):
     from soup_core.default_plugins import sft_batch
+    from soup_core.default_plugins.sft import encode_example
 
     rows = [row for group in zip(*(ROWS[f] for f in sorted(ROWS)), strict=False) for row in group]
     monkeypatch.setattr(sft_batch, "CHUNK", 5)
-    got = [(i, ids, labels) for i, ids, labels in sft_batch.encode_in_chunks(rows, tokenizer, max_length=64, chunk=5)]
+    got = [(i, ids, labels) for i, ids, labels in sft_batch.encode_in_chunks(rows, tokenizer, max_length=64, chunk=5,
+                                                                            per_row=encode_example)]
     assert [i for i, _, _ in got] == list(range(len(rows)))
     assert [(ids, labels) for _, ids, labels in got] == _per_row(rows, tokenizer, max_length=64)
 

@@ -8,46 +8,17 @@ Import-light: the tokenizer is passed in, nothing heavy is imported at module le
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from soup_core.contracts import Backend, Task
+from soup_core.default_plugins.sft_batch import PREFIX_ERROR, EncodingError, encode_in_chunks, has_generation_markers
 from soup_core.hookspecs import hookimpl
 
 SOUP_HOOK_API = (1, 1)
 __all__ = ["EncodingError", "SFTTask", "encode_example", "encode_rows", "has_generation_markers"]
 
 IGNORE = -100  # the label value transformers' losses skip
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class EncodingError(ValueError):
-    """A row cannot be tokenised as asked (says which row, why, and how to fix it)."""
-
-    row: int | None = None  # the row's position in the chunk being encoded, when known
-    detail: str = ""  # the message without "training row N: "
-
-    def with_row(self, row: int) -> EncodingError:
-        self.row = row
-        return self
-
-
-PREFIX_ERROR = (
-    "the chat template renders a conversation's beginning differently from the whole conversation, so the "
-    "assistant tokens cannot be found; use a chat template with {% generation %} markers, or set "
-    "data.train_on_responses_only: false"
-)
-
-
-def has_generation_markers(tokenizer: Any) -> bool:
-    """True when the tokenizer's chat template marks assistant text with ``{% generation %}``."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # several named templates: the default one is used
-        template = template.get("default")
-    return bool(template) and bool(_GENERATION_TAG.search(template))
-
 
 def _ids(encoding: Any) -> list[int]:
     # transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); older ones a list.
@@ -153,12 +124,11 @@ def encode_rows(
     The same tokens as :func:`encode_example` row by row, found a chunk of rows at a time with the fast
     tokenizer's batched call (:mod:`soup_core.default_plugins.sft_batch`).
     """
-    from soup_core.default_plugins.sft_batch import encode_in_chunks
-
     return [
         {"input_ids": ids, "labels": labels, "row_index": index}
         for index, ids, labels in encode_in_chunks(
-            rows, tokenizer, max_length=max_length, train_on_responses_only=train_on_responses_only
+            rows, tokenizer, max_length=max_length, train_on_responses_only=train_on_responses_only,
+            per_row=encode_example,
         )
     ]
 

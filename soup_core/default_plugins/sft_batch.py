@@ -10,6 +10,7 @@ conversation, a slow tokenizer without offsets) goes through the per-row functio
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
@@ -21,6 +22,36 @@ IGNORE = -100
 CHUNK = 1024
 
 _START, _END = itemgetter(0), itemgetter(1)
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class EncodingError(ValueError):
+    """A row cannot be tokenised as asked (says which row, why, and how to fix it)."""
+
+    row: int | None = None  # the row's position in the chunk being encoded, when known
+    detail: str = ""  # the message without "training row N: "
+
+    def with_row(self, row: int) -> EncodingError:
+        self.row = row
+        return self
+
+
+PREFIX_ERROR = (
+    "the chat template renders a conversation's beginning differently from the whole conversation, so the "
+    "assistant tokens cannot be found; use a chat template with {% generation %} markers, or set "
+    "data.train_on_responses_only: false"
+)
+
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template marks assistant text with ``{% generation %}``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one is used
+        template = template.get("default")
+    return bool(template) and bool(_GENERATION_TAG.search(template))
+
 
 
 def tokenize(tokenizer: Any, texts: list[str], *, add_special_tokens: bool, offsets: bool = False):
@@ -74,8 +105,6 @@ def _render_with_spans(chats: list[list[dict[str, str]]], tokenizer: Any) -> tup
 def _prefix_spans(chats: list[list[dict[str, str]]], texts: list[str], tokenizer: Any) -> list[list[tuple[int, int]]]:
     """The answer spans by rendering prefixes (templates without generation markers), as
     :func:`soup_core.default_plugins.sft._encode_chat_by_prefix` finds them, for a chunk at once."""
-    from soup_core.default_plugins.sft import PREFIX_ERROR, EncodingError
-
     turns = [(row, i) for row, chat in enumerate(chats) for i, m in enumerate(chat) if m["role"] == "assistant"]
     befores = tokenizer.apply_chat_template([chats[r][:i] for r, i in turns], tokenize=False,
                                             add_generation_prompt=True)
@@ -141,11 +170,13 @@ def _kind(row: Mapping[str, Any]) -> str:
     return "text" if "text" in row else "row"
 
 
-def encode_chunk(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_length: int,
-                 train_on_responses_only: bool = True) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, labels)`` of each row, as :func:`~soup_core.default_plugins.sft.encode_example` gives
-    them; an :class:`EncodingError` carries the position in ``rows`` of the row it is about (``.row``)."""
-    from soup_core.default_plugins.sft import EncodingError, encode_example, has_generation_markers
+def encode_chunk(
+    rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_length: int, train_on_responses_only: bool = True,
+    per_row: Callable[..., Any],
+) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` of each row, as ``per_row`` (:func:`~soup_core.default_plugins.sft.encode_example`)
+    gives them; an :class:`EncodingError` carries the position in ``rows`` of the row it is about (``.row``)."""
+    encode_example = per_row
 
     fast = bool(getattr(tokenizer, "is_fast", False))
     groups: dict[str, list[int]] = {}
@@ -190,11 +221,10 @@ def encode_in_chunks(
     train_on_responses_only: bool = True,
     chunk: int = CHUNK,
     done: Callable[[int], None] = lambda n: None,
+    per_row: Callable[..., Any],
 ) -> Iterable[tuple[int, list[int], list[int]]]:
     """Yield ``(row_index, input_ids, labels)`` for every row, a chunk at a time; ``done(n)`` after each chunk
-    with the rows encoded so far."""
-    from soup_core.default_plugins.sft import EncodingError
-
+    with the rows encoded so far. ``per_row`` encodes a row the batched path cannot take."""
     source = iter(rows)
     start = 0
     while True:
@@ -203,7 +233,7 @@ def encode_in_chunks(
             return
         try:
             encoded = encode_chunk(picked, tokenizer, max_length=max_length,
-                                   train_on_responses_only=train_on_responses_only)
+                                   train_on_responses_only=train_on_responses_only, per_row=per_row)
         except EncodingError as exc:
             row = start + (exc.row or 0)
             error = EncodingError(f"training row {row}: {exc}").with_row(row)
