@@ -200,7 +200,9 @@ def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_pat
     from soup_core.default_plugins.formats import BUILTIN_FORMATS
 
     formats = {f.name: f for f in BUILTIN_FORMATS}
-    write_jsonl(tmp_path / "a.jsonl", [*ROWS[:20], {"messages": "not a list"}])
+    odd = {"messages": [{"role": "user", "content": "lone \ud800 surrogate, 東京 🎉"},
+                        {"role": "assistant", "content": "ok"}]}
+    write_jsonl(tmp_path / "a.jsonl", [*ROWS[:20], {"messages": "not a list"}, odd])
     write_jsonl(tmp_path / "b.jsonl", ROWS[20:])
     data = {"train": ["a.jsonl", "b.jsonl"], "val_split": 0.2, "seed": 3, "on_bad_row": "skip", "format": "chat"}
 
@@ -282,3 +284,25 @@ def test_the_collator_refuses_a_row_that_was_not_prepared():
     with pytest.raises(RuntimeError, match=r"training rows \[7\] were not prepared"):
         collate([{"input_ids": [1, 2], "labels": [1, 2], "row_index": 0},
                  {"input_ids": [], "labels": [], "row_index": 7}])
+
+
+@pytest.mark.parametrize("case", ["bad row", "empty", "all bad", "bad setting"])
+def test_the_cached_training_list_fails_as_the_built_one(tmp_path, soup_home, case):
+    from soup_core.data import DataError, build_training_list
+    from soup_core.data.cache import entries
+    from soup_core.data.rows_cache import cached_training_list
+    from soup_core.default_plugins.formats import BUILTIN_FORMATS
+
+    formats = {f.name: f for f in BUILTIN_FORMATS}
+    rows = {"bad row": [*ROWS[:3], {"messages": []}, *ROWS[3:5]], "empty": [], "all bad": [{"messages": []}] * 2,
+            "bad setting": ROWS[:3]}[case]
+    (tmp_path / "t.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    data = {"train": "t.jsonl", "format": "chat", "on_bad_row": "skip" if case == "all bad" else "error"}
+    if case == "bad setting":
+        data["val_split"] = 1.5
+    with pytest.raises(DataError) as built:
+        build_training_list(data, formats=formats, base_dir=tmp_path)
+    with pytest.raises(DataError) as cached:
+        cached_training_list(data, formats=formats, base_dir=tmp_path)
+    assert str(cached.value) == str(built.value) and cached.value.fix == built.value.fix
+    assert entries() == []  # nothing is left in the cache

@@ -14,12 +14,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from soup_core.data.build import TrainingList, _get, _paths, _resolve, build_training_list, fingerprint_rows
+from soup_core.data.build import TrainingList, _get, _paths, _resolve, build_training_list
 from soup_core.data.errors import DataError
 
 #: Rows per Arrow record batch.
 BATCH = 8192
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # keeps key order: previews show it
+# keeps key order (previews show it); ASCII, so a lone surrogate survives as an escape in an Arrow string
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 class ArrowRows(Sequence):
@@ -67,13 +68,113 @@ class _Origins(ArrowRows):
         return self.files[value >> 40], value & ((1 << 40) - 1)
 
 
-def _write(path: Path, columns: Mapping[str, list[Any]]) -> None:
+class _Writer:
+    """Columns appended row by row, written to an Arrow stream file a batch at a time."""
+
+    def __init__(self, path: Path, types: Mapping[str, Any]) -> None:
+        import pyarrow as pa
+
+        self.pa, self.types = pa, dict(types)
+        self.schema = pa.schema(list(self.types.items()))
+        self.writer = pa.ipc.new_stream(str(path), self.schema)
+        self.columns: dict[str, list[Any]] = {name: [] for name in self.types}
+
+    def add(self, **values: Any) -> None:
+        for name, value in values.items():
+            self.columns[name].append(value)
+        if len(self.columns[next(iter(self.columns))]) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        arrays = [self.pa.array(self.columns[name], type=kind) for name, kind in self.types.items()]
+        self.writer.write_batch(self.pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self.columns = {name: [] for name in self.types}
+
+    def close(self) -> None:
+        if self.columns[next(iter(self.columns))]:
+            self.flush()
+        self.writer.close()
+
+
+def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: Path | None, key: str,
+                 accepted: Sequence[str] | None, paths: list[str]) -> dict[str, Any]:
+    """:func:`build_training_list`, row by row into Arrow files: what it holds in memory is a batch of rows,
+    not the data set. The same rows, order, split, origins, fingerprint and errors (the tests compare)."""
+    import hashlib
+    from itertools import chain
+
     import pyarrow as pa
 
-    table = pa.table(dict(columns))
-    with pa.ipc.new_stream(str(path), table.schema) as writer:
-        for batch in table.to_batches(max_chunksize=BATCH):
-            writer.write_batch(batch)
+    from soup_core.data import build as b
+
+    sources = [(raw, _resolve(raw, base_dir)) for raw in paths]
+    shown = ", ".join(paths)
+    fmt_name, on_bad_row = _get(data, "format") or "auto", _get(data, "on_bad_row") or "error"
+    val_split, seed = _get(data, "val_split") or 0.0, _get(data, "seed")
+    if on_bad_row not in b.BAD_ROW_MODES:
+        raise DataError("", None, f"data.on_bad_row must be one of {', '.join(b.BAD_ROW_MODES)}, got {on_bad_row!r}")
+    if isinstance(val_split, bool) or not isinstance(val_split, (int, float)) or not 0 <= val_split < 1:
+        raise DataError("", None, f"data.val_split must be a number in [0, 1), got {val_split!r}")
+    items: Iterator[Any] = b._items(sources)
+    detected = fmt_name == "auto"
+    if detected:
+        fmt, seen = b._detect(items, b._candidates(formats, accepted), shown)
+        items = chain(seen, items)
+    else:
+        fmt = b._explicit(str(fmt_name), formats, accepted)
+    index = {raw: i for i, raw in enumerate(paths)}
+    every = _Writer(folder / "all.arrow", {"row": pa.string(), "canon": pa.binary(), "origin": pa.int64()})
+    skipped: list[DataError] = []
+    total = n = 0
+    try:
+        for display, number, unit, record in items:
+            total += 1
+            try:
+                if isinstance(record, DataError):
+                    raise record
+                example = b._example(fmt, record, display, number, unit)
+            except DataError as exc:
+                if on_bad_row == "error":
+                    exc.fix = exc.fix or "fix the row, or set data.on_bad_row: skip to skip bad rows"
+                    raise
+                skipped.append(exc)
+                continue
+            try:
+                canon = b.canonical_row(example).encode("utf-8", "surrogatepass")
+                row = _ENCODER.encode(example)
+            except (TypeError, ValueError) as exc:
+                raise DataError(shown, None, f"format {fmt.name} produced an example that is not JSON data: {exc}"
+                                ) from exc
+            every.add(row=row, canon=canon, origin=(index[display] << 40) | number)
+            n += 1
+    finally:
+        every.close()
+    if not n:
+        if not skipped:
+            raise DataError(shown, None, "no rows: the data set is empty")
+        message = f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}"
+        raise DataError(shown, None, message)
+    held = set(b.split_indices(n, float(val_split), seed))
+    rows = _Writer(folder / "rows.arrow", {"row": pa.string(), "origin": pa.int64()})
+    val = _Writer(folder / "val.arrow", {"row": pa.string()})
+    digest, val_digest = hashlib.sha256(), hashlib.sha256()
+    position = 0
+    for batch in pa.ipc.open_stream(pa.memory_map(str(folder / "all.arrow"))):
+        for row, canon, origin in zip(*(batch.column(c).to_pylist() for c in ("row", "canon", "origin")),
+                                      strict=True):
+            if position in held:
+                val.add(row=row)
+                val_digest.update(canon + b"\n")
+            else:
+                rows.add(row=row, origin=origin)
+                digest.update(canon + b"\n")
+            position += 1
+    rows.close()
+    val.close()
+    (folder / "all.arrow").unlink()
+    return {"fingerprint": digest.hexdigest(), "val_fingerprint": val_digest.hexdigest(), "format": fmt.name,
+            "source": ", ".join(str(path) for _, path in sources), "detected": detected,
+            "skipped": [[e.path, e.line, e.message, e.unit, e.fix] for e in skipped]}
 
 
 def cached_training_list(
@@ -102,16 +203,7 @@ def cached_training_list(
     }
 
     def fill(folder: Path) -> dict[str, Any]:
-        built = build()
-        index = {raw: i for i, raw in enumerate(paths)}
-        _write(folder / "rows.arrow", {
-            "row": [_ENCODER.encode(row) for row in built.rows],
-            "origin": [(index[display] << 40) | number for display, number in built.origins],
-        })
-        _write(folder / "val.arrow", {"row": [_ENCODER.encode(row) for row in built.val_rows]})
-        skipped = [[e.path, e.line, e.message, e.unit, e.fix] for e in built.skipped]
-        return {"fingerprint": built.fingerprint, "val_fingerprint": fingerprint_rows(built.val_rows),
-                "format": built.format, "source": built.source, "detected": built.detected, "skipped": skipped}
+        return _stream_fill(folder, data, formats, base_dir, key, accepted, paths)
 
     folder, _ = filled("rows", parts, fill)
     facts = meta(folder)
