@@ -10,6 +10,7 @@ its ``rows`` and ``val_rows`` are :class:`ArrowRows`, sequences that decode a ro
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ class ArrowRows(Sequence):
 
         self.path, self.column = path, column
         # the table's buffers are views of the mapped file, read by the OS when a row is reached
-        self._data = pa.ipc.open_stream(pa.memory_map(str(path))).read_all().column(column)
+        with path.open("rb") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(self._map))).read_all().column(column)
+
+    def release(self) -> None:
+        """Let the OS drop the pages read so far from this process's resident memory (they are the file's;
+        a row reached again is read again): a pass over a million rows keeps no more than a chunk resident."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -159,7 +168,7 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     val = _Writer(folder / "val.arrow", {"row": pa.string()})
     digest, val_digest = hashlib.sha256(), hashlib.sha256()
     position = 0
-    for batch in pa.ipc.open_stream(pa.memory_map(str(folder / "all.arrow"))):
+    for batch in pa.ipc.open_stream(pa.OSFile(str(folder / "all.arrow"))):  # read, not mapped: freed per batch
         for row, canon, origin in zip(*(batch.column(c).to_pylist() for c in ("row", "canon", "origin")),
                                       strict=True):
             if position in held:

@@ -162,6 +162,8 @@ def _write(path: Path, rows: Any, lo: int, hi: int, encode: Callable[[list[Any]]
                 schema = pa.schema(fields)
                 writer = pa.ipc.new_stream(str(path), schema)
             writer.write_table(table.select(schema.names).cast(schema))
+            if hasattr(rows, "release"):  # memory-mapped rows: drop the pages of the chunk just encoded
+                rows.release()
             progress(stop - lo)
     finally:
         if writer is not None:
