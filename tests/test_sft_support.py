@@ -280,7 +280,12 @@ def test_support_row_and_hooks_are_registered():
 
     assert plugin.SOUP_HOOK_API == (1, 1)
     assert plugin.soup_register_backends() == [TransformersBackend]
-    (row,) = plugin.soup_register_support()
+    from soup_core.default_plugins.transformers.sharding import SHARDING_FIELDS
+
+    row, sharding = plugin.soup_register_support()
     assert (row.backend, row.task, row.fields) == ("transformers", "sft", HONOURED_FIELDS)
+    # sharding goes to every task declaring "shardable"; the rest refuse it with a reason per field
+    assert (sharding.backend, sharding.task, sharding.capability) == ("transformers", "*", "shardable")
+    assert sharding.fields == SHARDING_FIELDS and set(sharding.reasons) == set(SHARDING_FIELDS)
     assert plugin.soup_load_model(config=None, backend="mlx", task=None) is None
     assert json.dumps(sorted(HONOURED_FIELDS))  # plain strings
