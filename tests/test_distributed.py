@@ -89,6 +89,12 @@ def tensors(folder: Path) -> dict:
     return load_file(folder / file)
 
 
+def rewind_batches(log: Path) -> list[tuple[int, int, list[int], list[float]]]:
+    """(step, micro, rows, per-row losses) of each micro-batch line of one rank's rewind log."""
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    return [(b["step"], b["micro"], b["rows"], b["row_loss"]) for b in lines if b["kind"] == "batch"]
+
+
 def logits(folder: Path, base: Path, adapter: bool) -> object:
     """The trained model's logits through stock transformers (and peft for an adapter)."""
     import torch
@@ -130,6 +136,13 @@ def test_fsdp_trains_and_saves_what_ddp_does(tmp_path: Path, tiny_model: Path, l
     with torch.no_grad():
         untrained = AutoModelForCausalLM.from_pretrained(tiny_model)(torch.tensor([[1, 5, 9, 3, 7, 2]])).logits
     assert not close(trained, untrained)
+    # exact under sharding: each rank's rewind log holds the rows DDP's does, at the same steps, with the
+    # same per-row losses (the recorder sees FSDP's micro-batches as it sees DDP's)
+    for name in ("rewind.jsonl", "rewind.rank1.jsonl"):
+        sharded, replicated = rewind_batches(tmp_path / "fsdp" / name), rewind_batches(ddp_folder / name)
+        assert len(sharded) == 3 and [b[:3] for b in sharded] == [b[:3] for b in replicated]
+        assert all(same_losses(a[3], b[3]) for a, b in zip(sharded, replicated, strict=True))
+    assert not same_losses([x * (1 + 10 * REL) for x in sharded[0][3]], replicated[0][3])  # control
     if lora_r:  # resumed from FSDP's step-2 checkpoint (its optimizer state and shards), it ends where it did
         cfg = config(tmp_path, tiny_model, "resumed", **same, sharding="fsdp")
         resumed = train(cfg, tmp_path / "home", "--resume", str(tmp_path / "fsdp" / "checkpoint-2"))
