@@ -1,5 +1,6 @@
 """Shared fixtures for the core's tests: the test kit (``soup_core.testing``: ``soup_home``, ``tiny_model``,
-``torch_one_thread``, ``run_training``), pytester, and ``sft_run``, a prepared run of the built-in backend.
+``torch_one_thread``, ``run_training``), pytester, ``sft_run``, a prepared run of the built-in backend, and
+``soup``, the CLI called in this process.
 
 Light at import (no torch): tests that check the CLI stays light share this file. Fixtures that need
 torch import it when used.
@@ -7,6 +8,7 @@ torch import it when used.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +103,30 @@ def sft_run(tmp_path: Path, tiny_model: Path):
 def make_chat_rows():
     """The function that makes chat rows naming their own index (see :func:`chat_rows`)."""
     return chat_rows
+
+
+OFFLINE_ONE_THREAD = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                      "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture
+def soup(soup_home: Path, capsys: pytest.CaptureFixture[str], torch_one_thread: object, monkeypatch):
+    """``soup(args)``: the ``soup`` CLI itself (its entry point, in this process: no interpreter start-up per
+    call), as a CompletedProcess; ``SOUP_HOME`` is the test's, offline, one thread, not inside a launch."""
+    from soup_core.cli.main import main
+
+    for key, value in OFFLINE_ONE_THREAD.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def run(args: list[str]) -> subprocess.CompletedProcess[str]:
+        capsys.readouterr()
+        try:
+            main(args)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["soup", *args], code, out, err)
+
+    return run

@@ -151,54 +151,39 @@ def test_fsdp_trains_and_saves_what_ddp_does(tmp_path: Path, tiny_model: Path, l
         assert all(close(again[k], mine[k]) for k in mine)
 
 
-@pytest.fixture
-def soup(soup_home: Path, capsys: pytest.CaptureFixture[str], torch_one_thread: object, monkeypatch):
-    """``soup(args)`` -> (exit code, stdout, stderr): the CLI's entry point in this process."""
-    from soup_core.cli.main import main
-
-    for key, value in ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-
-    def run(args: list[str]) -> tuple[int, str, str]:
-        capsys.readouterr()
-        try:
-            main(args)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        return (code, *capsys.readouterr())
-
-    return run
-
-
 def test_what_cannot_shard_here_is_refused_with_the_reason(tmp_path: Path, tiny_model: Path, soup) -> None:
     import importlib.util
 
     # ZeRO without a working deepspeed (or without a GPU), before any process starts; the dry run says the same
     for mode, extra in (("zero2", ["--nproc", "2"]), ("zero3", ["--dry-run", "--nproc", "2"])):
-        code, out, err = soup(["train", "-c", str(config(tmp_path, tiny_model, mode, sharding=mode)), *extra])
+        done = soup(["train", "-c", str(config(tmp_path, tiny_model, mode, sharding=mode)), *extra])
+        code, out, err = done.returncode, done.stdout, done.stderr
         why = ("DeepSpeed, which does not import here" if importlib.util.find_spec("deepspeed") is None
                else "no CUDA GPU is visible")
         assert code == 1 and why in err and f"training.sharding {mode}" in err, err
         assert "Launching" not in out
     # offload without a sharding that offloads; sharding on one process
-    code, _, err = soup(["train", "-c", str(config(tmp_path, tiny_model, "off", cpu_offload=True)), "--dry-run"])
+    done = soup(["train", "-c", str(config(tmp_path, tiny_model, "off", cpu_offload=True)), "--dry-run"])
+    code, err = done.returncode, done.stderr
     assert code == 1 and "training.cpu_offload needs training.sharding fsdp or zero3" in err
     sharded = config(tmp_path, tiny_model, "one", sharding="fsdp")
-    code, _, err = soup(["train", "-c", str(sharded), "--dry-run"])
+    done = soup(["train", "-c", str(sharded), "--dry-run"])
+    code, err = done.returncode, done.stderr
     assert code == 1 and "shards the model over several processes, and this run has one" in err
     import torch
 
     if not torch.cuda.is_available():  # offload from GPUs that are not there
         offload = config(tmp_path, tiny_model, "cpu", sharding="fsdp", cpu_offload=True)
-        code, _, err = soup(["train", "-c", str(offload), "--dry-run", "--nproc", "2"])
+        done = soup(["train", "-c", str(offload), "--dry-run", "--nproc", "2"])
+        code, err = done.returncode, done.stderr
         assert code == 1 and "it trains on the CPU already" in err
     quantised = config(tmp_path, tiny_model, "q", sharding="fsdp", quantization="4bit")
-    code, _, err = soup(["train", "-c", str(quantised), "--dry-run", "--nproc", "2"])
+    done = soup(["train", "-c", str(quantised), "--dry-run", "--nproc", "2"])
+    code, err = done.returncode, done.stderr
     assert code == 1 and "sharding a bitsandbytes model is not supported here" in err, err
     # control: the launch it names passes the same checks
-    code, out, err = soup(["train", "-c", str(sharded), "--dry-run", "--nproc", "2"])
+    done = soup(["train", "-c", str(sharded), "--dry-run", "--nproc", "2"])
+    code, out, err = done.returncode, done.stdout, done.stderr
     assert code == 0, err
 
 
@@ -257,9 +242,11 @@ def test_two_machines_on_localhost_are_one_run(tmp_path: Path, tiny_model: Path,
 
 def test_several_machines_need_a_rendezvous_endpoint(tmp_path: Path, tiny_model: Path, soup) -> None:
     cfg = config(tmp_path, tiny_model, "x")
-    code, _, err = soup(["train", "-c", str(cfg), "--nnodes", "2"])
+    done = soup(["train", "-c", str(cfg), "--nnodes", "2"])
+    code, err = done.returncode, done.stderr
     assert code == 2 and "--rdzv-endpoint" in err
-    code, _, err = soup(["train", "-c", str(cfg), "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"])
+    done = soup(["train", "-c", str(cfg), "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"])
+    code, err = done.returncode, done.stderr
     assert code == 2 and "--node-rank 2 is not below --nnodes 2" in err
 
 

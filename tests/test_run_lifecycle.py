@@ -30,28 +30,6 @@ def make_config(tmp_path: Path, model: Path, **training: object) -> Path:
     })
 
 
-@pytest.fixture
-def soup(soup_home: Path, capsys: pytest.CaptureFixture[str], torch_one_thread: object, monkeypatch):
-    """``soup(args)``: the ``soup`` CLI itself (its entry point, in this process: no interpreter start-up per
-    call), as a CompletedProcess; ``SOUP_HOME`` is the test's."""
-    from soup_core.cli.main import main
-
-    for key, value in ENV.items():
-        monkeypatch.setenv(key, value)
-
-    def run(args: list[str]) -> subprocess.CompletedProcess[str]:
-        capsys.readouterr()
-        try:
-            main(args)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["soup", *args], code, out, err)
-
-    return run
-
-
 def popen_soup(args: list[str], home: Path) -> subprocess.Popen[str]:
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, **ENV, "SOUP_HOME": str(home), "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
