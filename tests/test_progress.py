@@ -52,3 +52,22 @@ def test_said_if_slow_speaks_while_slow_work_runs_and_not_for_fast_work() -> Non
     with pytest.raises(OSError), said_if_slow("saving z", failed.append, after=0.0):
         raise OSError("disk full")
     assert "saving z: done" not in " ".join(failed)
+
+
+def test_row_progress_says_rows_per_second_and_time_left_once_slow(monkeypatch) -> None:
+    import itertools
+
+    from soup_core import progress
+
+    ticks = itertools.count()  # one second passes each time the clock is read
+    monkeypatch.setattr(progress.time, "monotonic", lambda: float(next(ticks)))
+    said: list[str] = []
+    rows = progress.RowProgress(list(range(1000)), what="tokenising", report=said.append)
+    assert list(rows) == list(range(1000)) and len(rows) == 1000 and rows[7] == 7
+    assert said == ["tokenising: 512 of 1,000 rows, 256 rows/s, 0:00:01 left",
+                    "tokenising: 1,000 rows in 4.0 s (250 rows/s)"]
+    # control: a pass that stays under SLOW_AFTER_S says nothing
+    monkeypatch.setattr(progress.time, "monotonic", lambda: 0.0)
+    quiet: list[str] = []
+    assert len(list(progress.RowProgress(list(range(1000)), what="t", report=quiet.append))) == 1000
+    assert quiet == []

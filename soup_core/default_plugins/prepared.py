@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,33 +83,6 @@ def key_parts(task: Any, training: Any, tokenizer: Any, config: Any) -> dict[str
         "encoding_version": task.encoding_version,
         "soup": __version__,
     }
-
-
-class _Speed:
-    """Rows done, rows per second and time left, once encoding has run a couple of seconds."""
-
-    def __init__(self, total: int, what: str, report: Callable[[str], None]) -> None:
-        from soup_core.progress import SLOW_AFTER_S
-
-        self.total, self.what, self.report = total, what, report
-        self.started = self.last = time.monotonic()
-        self.every = SLOW_AFTER_S
-        self.said = False
-
-    def __call__(self, done: int) -> None:
-        from soup_core.progress import format_eta
-
-        now = time.monotonic()
-        final = done >= self.total
-        if not (final and self.said) and (now - self.started < self.every or now - self.last < self.every):
-            return
-        elapsed = max(now - self.started, 1e-9)
-        rate = done / elapsed
-        left = (self.total - done) / rate if rate > 0 else 0.0
-        self.report(f"{self.what}: {done:,} of {self.total:,} rows, {rate:,.0f} rows/s, "
-                    f"{format_eta(left)} left" if not final else
-                    f"{self.what}: {done:,} rows in {elapsed:.1f} s ({rate:,.0f} rows/s)")
-        self.last, self.said = now, True
 
 
 def _write(path: Path, rows: Any, lo: int, hi: int, encode: Callable[[list[Any]], list[dict[str, Any]]],
@@ -284,7 +256,9 @@ def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
 
     def fill(folder: Path) -> dict[str, Any]:
         facts: dict[str, Any] = {"rows": n_rows}
-        speed = _Speed(n_rows, "tokenising the training rows", report)
+        from soup_core.progress import RowRate
+
+        speed = RowRate(n_rows, "tokenising the training rows", report)
         facts["train"] = _encode_train(folder, training.rows, encode, speed, max_length,
                                        None if used is None else set(used))
         val_rows = training.val_rows or []
