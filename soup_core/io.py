@@ -1,4 +1,5 @@
-"""Writing files so that nothing is left half-written: write a temp file beside the target, then rename."""
+"""Writing files so that nothing is left half-written (write a temp file beside the target, then rename), and
+saying in words why a write failed. A public module: plugins save through it too."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+__all__ = ["atomic_write", "read_json_object", "write_failure", "umask"]
 
 
 def umask() -> int:
@@ -52,3 +55,14 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def write_failure(exc: BaseException) -> str:
+    """Why a write failed, in words (``No space left on device (/path)``), from the innermost OS error in the
+    exception's chain; the exception itself when there is none."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
+        seen = seen.__cause__ or seen.__context__
+    return f"{type(exc).__name__}: {exc}"

@@ -52,7 +52,7 @@ def test_control_a_plugin_with_a_private_import_fails_naming_it(tmp_path: Path) 
     ("source", "named"),
     [
         ("import soup_core.ui", "import soup_core.ui"),  # a private module
-        ("from soup_core.io import atomic_write", "from soup_core.io import atomic_write"),  # ... with from
+        ("from soup_core.outputs import TMP_PREFIX", "from soup_core.outputs import TMP_PREFIX"),  # ... with from
         ("import soup_core.default_plugins.transformers.trainer",  # a default plugin's submodule
          "import soup_core.default_plugins.transformers.trainer"),
         ("from soup_core.default_plugins.commands.train_cmd import run_train_command",  # a private default plugin

@@ -13,20 +13,11 @@ from typing import Any
 
 from soup_core.checkpoints import complete_checkpoints
 from soup_core.default_plugins.transformers.loading import BackendError
+from soup_core.io import write_failure
 from soup_core.outputs import TMP_PREFIX
 from soup_core.progress import said_if_slow
 
 _AFTER = "free space or fix the permissions, then resume from the last checkpoint (--resume latest)"
-
-
-def reason(exc: BaseException) -> str:
-    """The cause of a failed write in words (``No space left on device``), from the innermost OS error."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _report(trainer: Any) -> Callable[[str], None]:
@@ -54,8 +45,8 @@ def save_checkpoint(trainer: Any, write: Callable[[], None], trial: Any) -> None
     except Exception as exc:
         if trainer.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
-        raise BackendError(f"could not save checkpoint {final}: {reason(exc)}; nothing was left there ({_AFTER})") \
-            from exc
+        message = f"could not save checkpoint {final}: {write_failure(exc)}; nothing was left there ({_AFTER})"
+        raise BackendError(message) from exc
     finally:
         del trainer._get_output_dir
     if trainer.args.should_save:
@@ -94,5 +85,5 @@ def save_final(trainer: Any, output_dir: Path) -> None:
     except Exception as exc:
         if trainer.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)
-        raise BackendError(f"could not save the trained model to {output_dir}: {reason(exc)}; nothing partial "
+        raise BackendError(f"could not save the trained model to {output_dir}: {write_failure(exc)}; nothing partial "
                            f"was left there ({_AFTER})") from exc

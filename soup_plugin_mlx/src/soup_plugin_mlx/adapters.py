@@ -120,16 +120,6 @@ def filling(folder: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def failure_reason(exc: BaseException) -> str:
-    """Why a write failed, in words (``No space left on device (path)``), from the innermost OS error."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror + (f" ({seen.filename})" if seen.filename else "")
-        seen = seen.__cause__ or seen.__context__
-    return f"{type(exc).__name__}: {exc}"
-
-
 def mlx_adapter_config(*, base: str, n_layers: int, info: dict[str, Any], lora: Any) -> dict[str, Any]:
     """mlx-lm's ``adapter_config.json`` for what :func:`soup_plugin_mlx.model.make_trainable` did."""
     if not info["adapter"]:

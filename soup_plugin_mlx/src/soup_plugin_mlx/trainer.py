@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from soup_core import MicroBatch, OptimizerStep, ProgressLine, Rollback, SetCoefficient, Stop
 from soup_core import micro_batches as core_micro_batches
 from soup_core.default_plugins.sft import encode_rows
+from soup_core.io import write_failure
 from soup_plugin_mlx import adapters
 from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 from soup_plugin_mlx.model import make_trainable
@@ -414,7 +415,7 @@ class MLXRun:
             self._saved_step = self.global_step
         except Exception as exc:
             raise MLXBackendError(
-                f"could not save checkpoint {folder}: {adapters.failure_reason(exc)}; nothing was left there "
+                f"could not save checkpoint {folder}: {write_failure(exc)}; nothing was left there "
                 f"({_AFTER_FAILED_SAVE})"
             ) from exc
 
@@ -433,6 +434,6 @@ class MLXRun:
                 adapters.save_tokenizer(tmp, self.tokenizer)
         except Exception as exc:
             raise MLXBackendError(
-                f"could not save the trained model to {self.output_dir}: {adapters.failure_reason(exc)}; "
+                f"could not save the trained model to {self.output_dir}: {write_failure(exc)}; "
                 f"nothing partial was left there ({_AFTER_FAILED_SAVE})"
             ) from exc
