@@ -188,25 +188,62 @@ def test_a_trainer_that_never_reaches_the_gate_says_so_or_fails(setting):
     assert len(said) == (0 if setting is True else 1)
 
 
-def test_weights_over_the_snapshot_limit_are_neither_copied_nor_listed_again(monkeypatch, torch_one_thread):
+def _gate_steps(torch, limit: int | None, monkeypatch, grads: dict[int, float] | None = None):
+    """Drive an update gate over a 4x4 linear layer by its own calls (the watchdog's verdict, the snapshot,
+    the update, its size): small updates, except step 12's (1000 per weight); the loss never improves.
+    Returns the gate, the weights before each step's update, and the step it stopped at."""
     from types import SimpleNamespace
 
     from soup_core.default_plugins.transformers import gate as gate_mod
 
-    torch = torch_one_thread
+    if limit is not None:
+        monkeypatch.setattr(gate_mod, "SNAPSHOT_LIMIT_BYTES", limit)
+    torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     config = SimpleNamespace(training=SimpleNamespace(watchdog=None, learning_rate=1e-3))
-    ctx = SimpleNamespace(config=config, events=None, task=SimpleNamespace(name="sft", capabilities=()))
-    small = gate_mod.UpdateGate(SimpleNamespace(), SimpleNamespace(ctx=ctx))
-    small._snapshot(model)
-    assert small.before is not None and torch.equal(small.before[0], model.weight.detach())  # control
-    monkeypatch.setattr(gate_mod, "SNAPSHOT_LIMIT_BYTES", 10)
-    big = gate_mod.UpdateGate(SimpleNamespace(), SimpleNamespace(ctx=ctx))
-    big._snapshot(model)
-    assert big.too_big and big.before is None and big.params == []
-    big._snapshot(None)  # not listed again (a None model would fail if it were)
-    big.applied = True
-    assert big.after_update(1, 1.0) == {}  # no update size without the copy
+    task = SimpleNamespace(name="sft", capabilities=("token_cross_entropy",))
+    gate = gate_mod.UpdateGate(SimpleNamespace(_soup_say=lambda m: None), SimpleNamespace(
+        ctx=SimpleNamespace(config=config, events=None, task=task)))
+    before: dict[int, list] = {}
+    for step in range(1, 40):
+        before[step] = [p.detach().clone() for p in model.parameters()]
+        grad = (grads or {}).get(step, 1.0)
+        if gate.watchdog.before_update(step, 2.0, grad) == "stop":
+            return gate, before, step
+        gate._snapshot(model, step, grad)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1000.0 if step == 12 else 1e-3 * step)
+        gate.applied = True
+        gate.after_update(step, grad)
+    return gate, before, None
+
+
+def _equal(torch, a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_big_weights_are_kept_in_host_memory_per_window(monkeypatch, torch_one_thread):
+    """Over SNAPSHOT_LIMIT_BYTES the weights are copied at the start of each window of WINDOW updates only;
+    the window whose updates blew up is seen at its end, and the weights kept are those from before it."""
+    from soup_core.default_plugins.transformers.gate import WINDOW
+
+    torch = torch_one_thread
+    assert WINDOW == 8  # the windows start at steps 1, 9, 17: step 12's blow-up is in the second
+    big, before, stopped = _gate_steps(torch, 10, monkeypatch)
+    assert big.too_big and big.before is None and all(t.device.type == "cpu" for t in big.kept)
+    assert big.kept_step == 9 and _equal(torch, big.kept, before[9])
+    assert not _equal(torch, big.kept, before[12]) and not _equal(torch, big.kept, before[stopped])  # controls
+    assert stopped == 17 + IMPROVE_WINDOW  # judged from where the window was measured
+    assert "the updates of steps 9-16 blew up (together" in big.watchdog.stop_reason
+    small, before, stopped = _gate_steps(torch, 512 << 20, monkeypatch)  # control: copied every update
+    assert not small.too_big and small.kept_step == 12 and _equal(torch, small.kept, before[12])
+    assert not _equal(torch, small.kept, before[11]) and stopped == 12 + IMPROVE_WINDOW
+    # a gradient norm that blows up is known before its update: the big weights are copied right then
+    grads = {s: 1.0 for s in range(1, 40)} | {5: 500.0}
+    early, before, _ = _gate_steps(torch, 10, monkeypatch, grads)
+    assert early.kept_step == 5 and _equal(torch, early.kept, before[5])
+    assert not _equal(torch, early.kept, before[1])
 
 
 @pytest.mark.slow
@@ -315,3 +352,49 @@ def test_a_task_that_declares_its_metric_is_stopped_by_it(run_training, quicksta
     assert caught.value.exit_code == 1
     plain = run_training(config, plugins=[("declares", _Declares(""))])  # control: nothing declared
     assert plain.status == "completed" and len(plain.steps) == 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", [512 << 20, 0])
+def test_a_divergence_stop_saves_the_adapter_from_before_the_first_bad_update(
+    run_training, quickstart_data, monkeypatch, limit, soup_home, torch_one_thread
+):
+    """Step 12's update alone runs at learning rate 1e6 (the others at 5e-3): the run is stopped, and the
+    saved adapter is exactly the weights before step 12's update; with the weights forced over
+    SNAPSHOT_LIMIT_BYTES (copied per window of 8 updates), those before the window holding it (step 9's).
+    Controls: the weights at the stop, and (forced over) those right before step 12, differ from it."""
+    from safetensors.torch import load_file
+
+    from soup_core.default_plugins.transformers import gate as gate_mod
+
+    torch = torch_one_thread
+    monkeypatch.setattr(gate_mod, "SNAPSHOT_LIMIT_BYTES", limit)
+    captured: dict[int, dict[str, object]] = {}
+    decide = gate_mod.UpdateGate.before_update
+
+    def before_update(gate, model, grad_norm):
+        step = gate.trainer.state.global_step + 1
+        captured[step] = {n.replace(".default", ""): p.detach().clone()
+                          for n, p in model.named_parameters() if p.requires_grad}
+        decide(gate, model, grad_norm)
+        if step == 12:
+            for group in gate.trainer.optimizer.param_groups:
+                group["lr"] = 1e6  # the scheduler sets it back after this update
+
+    monkeypatch.setattr(gate_mod.UpdateGate, "before_update", before_update)
+    with pytest.raises(TrainingFailed) as caught:
+        run_training(_config(quickstart_data, max_steps=40, lora={"r": 8}))
+    assert caught.value.exit_code == 1 and "training.learning_rate" in caught.value.message
+    stop = max(captured)
+    kept = 12 if limit else 9
+    assert f"saved weights: those from before step {kept}'s update" in caught.value.output
+    from soup_core.tracker import Tracker
+
+    (record,) = Tracker(soup_home / "experiments.db").list_runs()
+    assert record.status == "stopped"
+    saved = load_file(str(Path(record.output_dir) / "adapter_model.safetensors"))
+    assert set(saved) == set(captured[kept]) and saved
+    assert all(torch.equal(saved[k], captured[kept][k]) for k in saved)
+    assert not all(torch.equal(saved[k], captured[stop][k]) for k in saved)  # control: the stop-time weights
+    if not limit:
+        assert not all(torch.equal(saved[k], captured[12][k]) for k in saved)

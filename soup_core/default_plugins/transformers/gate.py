@@ -14,14 +14,18 @@ from typing import Any
 import torch
 
 from soup_core.contracts import ExcludeRows, SkipUpdate, Stop
-from soup_core.default_plugins.transformers.watchdog import Watchdog
+from soup_core.default_plugins.transformers.watchdog import IMPROVE_WINDOW, UPDATE_BLOWUP, Watchdog
 from soup_core.events import PendingUpdate
 
 IGNORE = -100
-#: Trainable weights up to this size are copied before every update, so a divergence stop can save the
-#: weights from before its first bad update and the update's size can be measured. Beyond it the watchdog
-#: judges by the gradient norm alone and a stop saves the weights it stopped at.
+#: Trainable weights up to this size are copied (where they live) before every update, so each update's
+#: size is measured and a divergence stop saves the weights from before the update that blew up. Larger
+#: ones are copied to host memory only at the start of each window of :data:`WINDOW` updates, and before
+#: an update whose gradient norm blew up (known before it is applied): the window's updates are measured
+#: together at its end, and a stop saves the weights from before that update, or before the window.
 SNAPSHOT_LIMIT_BYTES = 512 << 20
+#: The updates one host-memory copy spans (weights over SNAPSHOT_LIMIT_BYTES).
+WINDOW = IMPROVE_WINDOW
 #: Test seam: steps whose loss is made NaN (``"3,7"``, or ``"all"``).
 INJECT_ENV = "SOUP_TEST_NONFINITE_STEPS"
 
@@ -62,8 +66,10 @@ class UpdateGate:
         self.skipped_steps: list[int] = []
         self.said_off = False
         self.started = False  # the first micro-batches have been through mask()
-        self.too_big = False  # trainable weights over SNAPSHOT_LIMIT_BYTES: no copy, no update size
+        self.too_big = False  # trainable weights over SNAPSHOT_LIMIT_BYTES: copied per window, to host memory
         self.params: list[torch.Tensor] = []
+        self.host: list[torch.Tensor] | None = None  # (too big) the weights before the window's first update
+        self.window_start: int | None = None  # ... that update's step; None: refresh without measuring
         self.before: list[torch.Tensor] | None = None  # the weights before the current update
         self.kept: list[torch.Tensor] | None = None  # the weights before a suspected blow-up
         self.kept_step: int | None = None
@@ -186,8 +192,10 @@ class UpdateGate:
             elif isinstance(action, Stop):
                 veto = True
                 trainer._soup_apply(action)
-                if action.failed and self.kept is not None:
-                    self._restore(self.kept)
+                if action.failed:
+                    self._window_blew_up(step)  # a stop inside a window: did the window's updates blow up?
+                    if self.kept is not None:
+                        self._restore(self.kept)
             else:  # a rollback or a coefficient change now would meet gradients taken before it
                 from soup_core.default_plugins.transformers.loading import BackendError
 
@@ -203,7 +211,7 @@ class UpdateGate:
             if trainer.soup_stop_reason is None:
                 trainer._soup_say(f"step {step}: update skipped ({'; '.join(_reasons(actions))})")
         elif self.watchdog is not None:
-            self._snapshot(model)
+            self._snapshot(model, step, norm)
 
     def not_consulted(self) -> None:
         """A step ended without passing the gate (a trainer with a training loop of its own): say once that
@@ -218,23 +226,76 @@ class UpdateGate:
             raise BackendError(f"training.watchdog: true, but {reason}; remove training.watchdog")
         self.trainer._soup_say(f"watchdog off: {reason}")
 
-    def _snapshot(self, model: Any) -> None:
-        if self.too_big:
-            return
-        if not self.params:
+    def _snapshot(self, model: Any, step: int = 0, grad_norm: float | None = None) -> None:
+        if not self.params:  # listed and sized once
             self.params = [p for p in model.parameters() if p.requires_grad]
-            size = sum(p.numel() * p.element_size() for p in self.params)
-            if size > SNAPSHOT_LIMIT_BYTES:  # judged once: a big model is not listed again every step
-                self.params, self.before, self.too_big = [], None, True
-                return
-            self.before = [torch.empty_like(_local(p)) for p in self.params]
-        if self.before is not None:
+            self.too_big = sum(p.numel() * p.element_size() for p in self.params) > SNAPSHOT_LIMIT_BYTES
+            if not self.too_big:
+                self.before = [torch.empty_like(_local(p)) for p in self.params]
+        if self.too_big:
+            self._window(step, grad_norm)
+        elif self.before is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.before, [_local(p.detach()) for p in self.params])
 
+    def _window(self, step: int, grad_norm: float | None) -> None:
+        """Weights too big to copy every step: before step ``step``'s update, at the end of a window (or
+        when this gradient norm blew up), measure the window's updates together; then start a new window
+        with a host-memory copy. Only while a divergence is watched for and none is pending."""
+        dog = self.watchdog
+        if dog is None or not dog.divergence or dog.blowup is not None:
+            return
+        grad = dog.grad_blowup(grad_norm) is not None
+        first = self.window_start
+        if first is not None and not grad and step - first < WINDOW:
+            return
+        if self._window_blew_up(step):
+            return
+        with torch.no_grad():
+            if self.host is None:  # pinned, so the copy from a GPU runs beside the step
+                self.host = [torch.empty(w.shape, dtype=w.dtype, pin_memory=w.is_cuda)
+                             for w in (_local(p) for p in self.params)]
+            for kept, p in zip(self.host, self.params, strict=True):
+                kept.copy_(_local(p.detach()), non_blocking=True)
+        self.window_start = step
+
+    def _window_blew_up(self, step: int) -> bool:
+        """(Weights too big) Whether the updates since the open window started, measured before step
+        ``step``, blew up; if so the watchdog is told and the weights from before the window are kept."""
+        first, dog = self.window_start, self.watchdog
+        if not self.too_big or first is None or dog is None or not dog.divergence or dog.blowup is not None:
+            return False
+        ratio = self._window_ratio()
+        if ratio <= UPDATE_BLOWUP:  # a NaN (weights gone non-finite) counts as a blow-up
+            return False
+        dog.blew_up(first, f"together {ratio:.3g} times the size of the weights", seen_at=step,
+                    where=f"the updates of steps {first}-{step - 1}")
+        self.kept, self.kept_step = self.host, first
+        return True
+
+    def _window_ratio(self) -> float:
+        """The size of every update since the window started over the weights' then, tensor by tensor (no
+        second copy of the weights on their device)."""
+        assert self.host is not None
+        squares = []
+        with torch.no_grad():
+            for kept, p in zip(self.host, self.params, strict=True):
+                now = _local(p.detach())
+                then = kept.to(now.device, non_blocking=True)
+                pair = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in (now - then, then)]
+                squares.append(torch.stack(pair).square())
+            total = torch.stack(squares).sum(dim=0)
+            if hasattr(self.params[0], "to_local"):  # FSDP: each rank holds a shard
+                import torch.distributed as dist
+
+                dist.all_reduce(total)
+        change, size = total.sqrt().tolist()
+        return change / size if size > 0 else math.inf
+
     def _restore(self, weights: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            torch._foreach_copy_([_local(p.data) for p in self.params], weights)
+            for p, kept in zip(self.params, weights, strict=True):
+                _local(p.data).copy_(kept)
         self.trainer._soup_say(f"saved weights: those from before step {self.kept_step}'s update")
 
     def after_update(self, step: int, grad_norm: Any) -> dict[str, float]:
@@ -250,11 +311,15 @@ class UpdateGate:
             ratio = change / size if size > 0 else math.inf
             metrics["update_ratio"] = ratio
         norm = None if grad_norm is None else float(grad_norm)
-        if self.watchdog is not None and self.watchdog.after_update(step, norm, ratio) and self.before is not None:
-            self.kept, self.before = self.before, [torch.empty_like(_local(p)) for p in self.params]
-            self.kept_step = step
+        if self.watchdog is not None and self.watchdog.after_update(step, norm, ratio):
+            if self.before is not None:
+                self.kept, self.before = self.before, [torch.empty_like(_local(p)) for p in self.params]
+                self.kept_step = step
+            elif self.window_start == step:  # too big: copied before this update, its gradient norm blew up
+                self.kept, self.kept_step = self.host, step
         elif self.watchdog is not None and self.watchdog.blowup is None and self.kept is not None:
             self.kept, self.kept_step = None, None  # it recovered: nothing to go back to
+            self.window_start = None  # a new window, not measured against the weights before the blow-up
         return metrics
 
 

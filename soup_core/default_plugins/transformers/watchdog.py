@@ -7,7 +7,10 @@
   the weights' own norm, or a gradient norm more than :data:`GRAD_BLOWUP` times the median of the steps
   before), *and* over the next :data:`IMPROVE_WINDOW` steps the objective never gets :data:`MIN_IMPROVEMENT`
   below its best before that update. Only for a task that minimises token cross-entropy (capability
-  ``token_cross_entropy``): an unlearning loss rises by design, GRPO's moves with its KL term.
+  ``token_cross_entropy``): an unlearning loss rises by design, GRPO's moves with its KL term. When the
+  trainer can only measure the updates of a window together (weights too big to copy every step, see
+  ``gate.SNAPSHOT_LIMIT_BYTES``), it reports the window's blow-up late (:meth:`Watchdog.blew_up`), and the
+  objective is judged from there.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Watchdog:
         self.grad_norms: deque[float] = deque(maxlen=GRAD_HISTORY)
         self.best = math.inf  # the lowest finite loss so far
         self.blowup: tuple[int, str] | None = None  # (step whose update blew up, what blew up)
+        self.judged_from = 0  # the step after which the objective must improve (the blow-up's, or later)
+        self.where: str | None = None  # the updates that blew up, when more than one step's
         self.best_before = math.inf
         self.best_after = math.inf
         self.stop_reason: str | None = None
@@ -70,17 +75,17 @@ class Watchdog:
         value = loss if objective == "loss" else objective
         at = step - self.lag  # the step whose weights (before its update) the value measured
         if isinstance(value, float | int) and math.isfinite(value) and self.divergence:
-            if self.blowup is not None and at > self.blowup[0]:
+            if self.blowup is not None and at > self.judged_from:
                 self.best_after = min(self.best_after, value)
-                if at - self.blowup[0] >= IMPROVE_WINDOW:
+                if at - self.judged_from >= IMPROVE_WINDOW:
                     if self.best_after > self.best_before - MIN_IMPROVEMENT * abs(self.best_before):
                         b, what = self.blowup
                         self.stop_reason = (
-                            f"watchdog: the update at step {b} blew up ({what}) and in the {IMPROVE_WINDOW} "
-                            f"steps since the {self.signal} never improved on {self.best_before:.4f} (best: "
-                            f"{self.best_after:.4f}): the run is diverging. Likely cause: the learning rate "
-                            f"is too high; lower {KEY}{self._lr()}. The output holds the weights from before "
-                            f"step {b}'s update."
+                            f"watchdog: {self.where or f'the update at step {b}'} blew up ({what}) and in the "
+                            f"{IMPROVE_WINDOW} steps since {self._since()}the {self.signal} never improved on "
+                            f"{self.best_before:.4f} (best: {self.best_after:.4f}): the run is diverging. Likely "
+                            f"cause: the learning rate is too high; lower {KEY}{self._lr()}. The output holds the "
+                            f"weights from before step {b}'s update."
                         )
                         return "stop"
                     self.blowup = None  # it recovered: the objective improved after all
@@ -89,21 +94,41 @@ class Watchdog:
             self.best = min(self.best, value)
         return None
 
+    def _since(self) -> str:
+        return "" if self.blowup is None or self.judged_from == self.blowup[0] else f"step {self.judged_from} "
+
+    def grad_blowup(self, grad_norm: float | None) -> str | None:
+        """What blew up when ``grad_norm`` is over :data:`GRAD_BLOWUP` times the median of the steps before,
+        else None. Known before the update is applied, so the trainer can keep the weights it would change."""
+        history = [g for g in self.grad_norms if g > 0]
+        if grad_norm is None or len(history) < MIN_GRAD_HISTORY:
+            return None
+        median = statistics.median(history)
+        if grad_norm > GRAD_BLOWUP * median:
+            return f"gradient norm {grad_norm:.3g}, {grad_norm / median:.0f} times the median before"
+        return None
+
     def after_update(self, step: int, grad_norm: float | None, update_ratio: float | None) -> bool:
         """Note step ``step``'s applied update; True when it is the first blow-up of a pending divergence
         (the trainer then keeps the weights from before it)."""
-        history = [g for g in self.grad_norms if g > 0]
         what = None
         if update_ratio is not None and update_ratio > UPDATE_BLOWUP:
             what = f"the update was {update_ratio:.3g} times the size of the weights"
-        elif grad_norm is not None and len(history) >= MIN_GRAD_HISTORY:
-            median = statistics.median(history)
-            if grad_norm > GRAD_BLOWUP * median:
-                what = f"gradient norm {grad_norm:.3g}, {grad_norm / median:.0f} times the median before"
+        else:
+            what = self.grad_blowup(grad_norm)
         if grad_norm is not None and math.isfinite(grad_norm):
             self.grad_norms.append(grad_norm)
-        if what is None or not self.divergence or self.blowup is not None:
+        if what is None:
             return False
-        self.blowup = (step, what)
+        return self.blew_up(step, what, seen_at=step)
+
+    def blew_up(self, step: int, what: str, *, seen_at: int, where: str | None = None) -> bool:
+        """A blow-up of the update at ``step``, seen at step ``seen_at`` (later, when the trainer measures
+        the updates of a window together): the objective must then improve within :data:`IMPROVE_WINDOW`
+        steps after ``seen_at`` on its best up to there; ``where`` names the updates measured together (from
+        ``step``). False when one is pending already, or the task has no divergence signal."""
+        if not self.divergence or self.blowup is not None:
+            return False
+        self.blowup, self.judged_from, self.where = (step, what), seen_at, where
         self.best_before, self.best_after = self.best, math.inf
         return True
