@@ -78,7 +78,31 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
         )
         plan.data[attr] = training
         plan.lines.append(f"data.{attr}: {summarize(training)}")
+    _refuse_other_files(plan)
     return plan
+
+
+def _refuse_other_files(plan: Plan) -> None:
+    """A resumed run continues the checkpoint's row order, which several files' formats and weights decide:
+    refuse a list of files that differs from the one its run trained on (that run's soup_config.yaml)."""
+    import yaml
+
+    from soup_core.data import DataError
+    from soup_core.data.build import _entries
+
+    resume, now = plan.config.training.resume_from, plan.config.data.train
+    if not resume or plan.finished or not isinstance(now, (str, list)):
+        return
+    try:
+        saved = yaml.safe_load((Path(resume).parent / "soup_config.yaml").read_text(encoding="utf-8"))
+        before = saved["data"]["train"]
+        same = _entries(before, "train") == _entries(now, "train")
+    except (OSError, ValueError, TypeError, KeyError, DataError):
+        return  # nothing recorded to compare with (a checkpoint copied out of its run's folder)
+    if (isinstance(now, list) or isinstance(before, list)) and not same:
+        raise RunRefused(f"training.resume_from: {resume} was trained on data.train {before}, this config has {now}: "
+                         "the files, their formats or weights decide the row order the resumed steps continue; "
+                         "resume with the same data.train, or start a new run")
 
 
 def _resolve_resume(plan: Plan) -> None:
@@ -151,10 +175,16 @@ def execute(
     tracker = tracker or Tracker()
     config_dict = config_to_dict(config)
     # the tracker keeps data paths absolute, so a reader (soup rewind) can rebuild the rows from anywhere
+    def absolute(path: str) -> str:
+        return path if Path(path).is_absolute() else str(((plan.base_dir or Path.cwd()) / path).resolve())
+
     for key in plan.data:
         value = config_dict.get("data", {}).get(key)
-        if isinstance(value, str) and not Path(value).is_absolute():
-            config_dict["data"][key] = str(((plan.base_dir or Path.cwd()) / value).resolve())
+        if isinstance(value, str):
+            config_dict["data"][key] = absolute(value)
+        elif isinstance(value, list):  # several files: each entry's path
+            config_dict["data"][key] = [absolute(e) if isinstance(e, str) else {**e, "path": absolute(e["path"])}
+                                        for e in value]
     start_kwargs: dict[str, Any] = dict(
         name=config.experiment_name, task=config.task, backend=config.backend, base_model=config.base,
         config=config_dict, output_dir=str(plan.output_dir.resolve()),

@@ -258,7 +258,12 @@ def test_several_documents_in_one_file() -> None:
             "training",
             "expected a mapping (a section of keys), got 5",
         ),
-        ("data:\n  train: [a, b]\n", "data.train", "expected a string, got a list"),
+        ("data:\n  train: 3\n", "data.train", "expected a path or a list of files, got int"),
+        ("data:\n  train: [a, {path: b, weight: 0}]\n", "data.train[1].weight", "must be > 0, got 0"),
+        ("data:\n  train: [a, {path: b, weight: true}]\n", "data.train[1].weight", "expected a number, got True"),
+        ("data:\n  train: [a, {path: b, fromat: chat}]\n", "data.train[1].fromat", "unknown key"),
+        ("data:\n  train: [a, {format: chat}]\n", "data.train[1].path", "required"),
+        ("data:\n  train: []\n", "data.train", "the list of files is empty"),
         (
             "data:\n  train: r.jsonl\n  on_bad_row: ignore\n",
             "data.on_bad_row",

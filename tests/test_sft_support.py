@@ -282,8 +282,10 @@ def test_support_row_and_hooks_are_registered():
     assert plugin.soup_register_backends() == [TransformersBackend]
     from soup_core.default_plugins.transformers.sharding import SHARDING_FIELDS
 
-    row, sharding = plugin.soup_register_support()
+    row, weights, sharding = plugin.soup_register_support()
     assert (row.backend, row.task, row.fields) == ("transformers", "sft", HONOURED_FIELDS)
+    # a file's weight only where the sampler draws by it (tests/test_data_files.py), not in every HONOURED_FIELDS user
+    assert (weights.backend, weights.task, weights.fields) == ("transformers", "sft", {"data.train.weight"})
     # sharding goes to every task declaring "shardable"; the rest refuse it with a reason per field
     assert (sharding.backend, sharding.task, sharding.capability) == ("transformers", "*", "shardable")
     assert sharding.fields == SHARDING_FIELDS and set(sharding.reasons) == set(SHARDING_FIELDS)

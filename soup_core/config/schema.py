@@ -41,6 +41,26 @@ def _check_target_modules(value: Any) -> Literal["auto"] | list[str]:
 TargetModules = Annotated[Literal["auto"] | list[str], PlainValidator(_check_target_modules)]
 
 
+def _check_files(value: Any) -> str | list[str | dict[str, Any]] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"expected a path or a list of files, got {type(value).__name__}")
+    if not value:
+        raise ValueError("the list of files is empty")
+    from soup_core.data.build import entry_problem
+
+    for i, entry in enumerate(value):
+        problem = entry_problem(entry)
+        if problem:  # "[2].weight: ..." becomes the path data.train[2].weight (validate._translate)
+            raise ValueError(f"[{i}]{problem}")
+    return [dict(entry) if isinstance(entry, dict) else entry for entry in value]
+
+
+#: A path, or a list of files: each a path or a mapping {path, format, weight} (docs/config.md).
+DataFiles = Annotated[str | list[str | dict[str, Any]] | None, PlainValidator(_check_files)]
+
+
 class LoraConfig(_Section):
     r: int = Field(8, ge=0, description="LoRA rank; 0 trains every weight (full fine-tuning).")
     alpha: int = Field(16, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r).")
@@ -51,7 +71,7 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train: str | None = Field(None, description="The training data: a .jsonl/.json/.csv file or a folder.")
+    train: DataFiles = Field(None, description="The training data: a .jsonl/.json/.csv file, or a list of files.")
     format: str = Field("auto", description="Row format name, or 'auto' to detect it from the rows.")
     val_split: float = Field(0.0, ge=0, le=0.5, description="Fraction of rows held out for validation.")
     seed: int = Field(42, description="Seed for the split and for the order of rows in every epoch.")

@@ -264,7 +264,12 @@ def _translate(
         if group[0]["type"] == "extra_forbidden":
             issues.append(_unknown_key(path, key_parts[path], schema, line, column))
             continue
-        issues.append(ConfigIssue(path, _message(group), line=line, column=column))
+        message = _message(group)
+        entry = re.match(r"(\[\d+\][\w.]*): ", message)  # a list entry's own problem names its own path
+        if entry and len(group) == 1:
+            path, message = path + entry.group(1), message[entry.end():]
+            line, column = positions.get(path, (line, column))
+        issues.append(ConfigIssue(path, message, line=line, column=column))
     return issues
 
 
@@ -425,6 +430,14 @@ def _registry_issues(
         why = f": {reason}" if reason else ""
         message = f"not honoured by backend '{backend}' with task '{task}'{why}{shown}"
         issues.append(_at(ConfigIssue(path, message), positions))
+    # a file's sampling weight is honoured only where the pair's trainer draws by it ("data.train.weight")
+    files = _get_path(data, "data.train")
+    weighted = [i for i, e in enumerate(files if isinstance(files, list) else ())
+                if isinstance(e, dict) and e.get("weight", 1) != 1]
+    if weighted and "data.train.weight" not in honoured and "data.train" not in failed:
+        reason = schema.support_reasons.get((backend, task), {}).get("data.train.weight")
+        message = f"not honoured by backend '{backend}' with task '{task}'{': ' + reason if reason else ''} (remove it)"
+        issues.append(_at(ConfigIssue(f"data.train[{weighted[0]}].weight", message), positions))
     return issues
 
 

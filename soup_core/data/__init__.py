@@ -13,6 +13,7 @@ from typing import Any
 # command, `soup --help` included) pays only for the errors module.
 _EXPORTS = {
     "DETECT_LIMIT": "build",
+    "SourceFile": "build",
     "TrainingList": "build",
     "build_training_list": "build",
     "canonical_row": "build",
@@ -22,6 +23,8 @@ _EXPORTS = {
     "summarize": "build",
     "DataError": "errors",
     "epoch_order": "order",
+    "file_draws": "order",
+    "weighted_order": "order",
     "micro_batches": "order",
     "read_records": "readers",
     "check_supervision": "supervision",

@@ -29,6 +29,17 @@ BAD_ROW_MODES = ("error", "skip")
 
 
 @dataclass
+class SourceFile:
+    """One entry of ``data.<key>``: a file, the format its rows were read with and its sampling weight."""
+
+    path: str  # as written in the config
+    format: str
+    weight: float = 1.0
+    rows: int = 0  # its training rows (after skipped and validation rows): a contiguous run of row indices
+    detected: bool = False
+
+
+@dataclass
 class TrainingList:
     """The rows a run trains on. ``rows[i]`` is training row ``i`` (its row index)."""
 
@@ -41,10 +52,36 @@ class TrainingList:
     detected: bool = False  # the format was auto-detected
     #: Where each training row came from: (path as written in the config, line or record number).
     origins: list[tuple[str, int]] = field(default_factory=list)
+    #: The files in config order; file i holds the row indices after those of files 0..i-1.
+    files: list[SourceFile] = field(default_factory=list)
+    val_origins: list[tuple[str, int]] = field(default_factory=list)  # the same for validation rows
 
     @property
     def n_rows(self) -> int:
         return len(self.rows)
+
+    def origin(self, index: int, *, val: bool = False) -> tuple[str, int] | None:
+        """Training row ``index``'s (file as written in the config, line or record number), or validation row
+        ``index``'s with ``val``; None when the list does not know. Everything that names a row's source asks
+        this."""
+        origins = (self.val_origins if val else self.origins) or ()
+        return tuple(origins[index]) if 0 <= index < len(origins) else None  # type: ignore[return-value]
+
+    @property
+    def spans(self) -> list[tuple[int, float]] | None:
+        """(training rows, weight) per file, for :func:`soup_core.data.micro_batches`; None when every weight
+        is 1 (the plain order, which equals the weighted one then)."""
+        if all(f.weight == 1 for f in self.files) or sum(f.rows for f in self.files) != len(self.rows):
+            return None
+        return [(f.rows, f.weight) for f in self.files]
+
+    @property
+    def epoch_rows(self) -> int:
+        """Rows drawn per epoch: ``n_rows``, or with weights the sum of each file's draws."""
+        from soup_core.data.order import file_draws
+
+        spans = self.spans
+        return self.n_rows if spans is None else sum(file_draws(n, w) for n, w in spans)
 
     @property
     def n_val(self) -> int:
@@ -104,14 +141,49 @@ def _get(data: Any, name: str, default: Any = None) -> Any:
     return getattr(data, name, default)
 
 
-def _paths(raw: Any, key: str) -> list[str]:
+Entry = tuple[str, "str | None", float]  # (path as written, its own format or None, its weight)
+
+
+def entry_problem(entry: Any) -> str | None:
+    """What is wrong with one entry of a list of files (``"weight: must be > 0, got 0"``), or None."""
+    if isinstance(entry, (str, os.PathLike)):
+        return None if os.fspath(entry).strip() else ": must not be an empty path"
+    if not isinstance(entry, Mapping):
+        return f": expected a path or a mapping {{path, format, weight}}, got {type(entry).__name__}"
+    extra = sorted(set(entry) - {"path", "format", "weight"})
+    if extra:
+        return f".{extra[0]}: unknown key (an entry has path, format and weight)"
+    path, fmt, weight = entry.get("path"), entry.get("format"), entry.get("weight", 1)
+    if not isinstance(path, str) or not path.strip():
+        return ".path: required: the data file's path"
+    if fmt is not None and (not isinstance(fmt, str) or not fmt.strip()):
+        return f".format: expected a format name, got {fmt!r}"
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        return f".weight: expected a number, got {weight!r}"
+    return None if weight > 0 else f".weight: must be > 0, got {weight!r}"
+
+
+def _entries(raw: Any, key: str) -> list[Entry]:
     if raw is None or raw == "" or raw == []:
         raise DataError("", None, f"data.{key} is not set: give the path of your data file")
     if isinstance(raw, (str, os.PathLike)):
-        return [os.fspath(raw)]
-    if isinstance(raw, (list, tuple)) and all(isinstance(p, (str, os.PathLike)) for p in raw):
-        return [os.fspath(p) for p in raw]
-    raise DataError("", None, f"data.{key} must be a path (or a list of paths), got {type(raw).__name__}")
+        return [(os.fspath(raw), None, 1.0)]
+    if not isinstance(raw, (list, tuple)):
+        raise DataError("", None, f"data.{key} must be a path or a list of files, got {type(raw).__name__}")
+    out: list[Entry] = []
+    for i, entry in enumerate(raw):
+        problem = entry_problem(entry)
+        if problem:
+            raise DataError("", None, f"data.{key}[{i}]{problem}")
+        if isinstance(entry, Mapping):
+            out.append((entry["path"], entry.get("format"), float(entry.get("weight", 1))))
+        else:
+            out.append((os.fspath(entry), None, 1.0))
+    return out
+
+
+def _paths(raw: Any, key: str) -> list[str]:
+    return [path for path, _, _ in _entries(raw, key)]
 
 
 def _resolve(raw: str, base_dir: Path | None) -> Path:
@@ -138,13 +210,14 @@ def _candidates(formats: Mapping[str, DataFormat], accepted: Sequence[str] | Non
     return sorted(pool, key=lambda f: (-f.priority, f.name))
 
 
-def _explicit(name: str, formats: Mapping[str, DataFormat], accepted: Sequence[str] | None) -> DataFormat:
+def _explicit(name: str, formats: Mapping[str, DataFormat], accepted: Sequence[str] | None,
+              where: str = "data.format") -> DataFormat:
     if name not in formats:
-        message = f"data.format: unknown format {name!r}; registered formats: {', '.join(sorted(formats))} (or auto)"
+        message = f"{where}: unknown format {name!r}; registered formats: {', '.join(sorted(formats))} (or auto)"
         fix = "set data.format to one of the registered formats, or install the plugin that adds it"
         raise DataError("", None, message, fix=fix)
     if accepted and name not in accepted:
-        message = f"data.format: this task does not accept format {name!r}; it accepts: {', '.join(accepted)}"
+        message = f"{where}: this task does not accept format {name!r}; it accepts: {', '.join(accepted)}"
         raise DataError("", None, message)
     return formats[name]
 
@@ -152,10 +225,28 @@ def _explicit(name: str, formats: Mapping[str, DataFormat], accepted: Sequence[s
 Item = tuple[str, int, str, "dict[str, Any] | DataError"]  # (display path, number, unit, record|error)
 
 
-def _items(sources: list[tuple[str, Path]]) -> Iterator[Item]:
-    for display, path in sources:
-        for number, unit, item in iter_source(path, display):
-            yield display, number, unit, item
+def _read_files(data: Any, key: str, base_dir: Path | None, formats: Mapping[str, DataFormat],
+                accepted: Sequence[str] | None, chosen: list[SourceFile]) -> Iterator[tuple[int, DataFormat, Item]]:
+    """Every item of every file of ``data.<key>`` as (file index, its format, item). Each file is read with
+    its entry's format, else ``data.format``, and ``auto`` is detected from that file's own records; a
+    :class:`SourceFile` is appended to ``chosen`` as each file starts."""
+    section = str(_get(data, "format") or "auto")
+    for i, (raw, own, weight) in enumerate(_entries(_get(data, key), key)):
+        path = _resolve(raw, base_dir)
+        items: Iterator[Item] = ((raw, number, unit, item) for number, unit, item in iter_source(path, raw))
+        name = own or section
+        if name == "auto":
+            fmt, seen = _detect(items, _candidates(formats, accepted), raw)
+            items = chain(seen, items)
+        else:
+            fmt = _explicit(name, formats, accepted, f"data.{key}[{i}].format" if own else "data.format")
+        chosen.append(SourceFile(raw, fmt.name, weight, detected=name == "auto"))
+        for item in items:
+            yield i, fmt, item
+
+
+def _format_name(files: list[SourceFile]) -> str:
+    return ", ".join(dict.fromkeys(f.format for f in files))
 
 
 def _detect(items: Iterator[Item], candidates: list[DataFormat], shown: str) -> tuple[DataFormat, list[Item]]:
@@ -225,7 +316,6 @@ def build_training_list(
     paths = _paths(_get(data, key), key)
     sources = [(raw, _resolve(raw, base_dir)) for raw in paths]
     shown = ", ".join(paths)
-    fmt_name = _get(data, "format") or "auto"
     on_bad_row = _get(data, "on_bad_row") or "error"
     if on_bad_row not in BAD_ROW_MODES:
         raise DataError("", None, f"data.on_bad_row must be one of {', '.join(BAD_ROW_MODES)}, got {on_bad_row!r}")
@@ -234,25 +324,20 @@ def build_training_list(
         raise DataError("", None, f"data.val_split must be a number in [0, 1), got {val_split!r}")
     seed = _get(data, "seed")
 
-    items: Iterator[Item] = _items(sources)
-    detected = fmt_name == "auto"
-    if detected:
-        fmt, seen = _detect(items, _candidates(formats, accepted), shown)
-        items = chain(seen, items)
-    else:
-        fmt = _explicit(str(fmt_name), formats, accepted)
-
+    files: list[SourceFile] = []
     examples: list[dict[str, Any]] = []
     origins: list[tuple[str, int]] = []
+    owners: list[int] = []
     skipped: list[DataError] = []
     total = 0
-    for display, number, unit, record in items:
+    for i, fmt, (display, number, unit, record) in _read_files(data, key, base_dir, formats, accepted, files):
         total += 1
         try:
             if isinstance(record, DataError):
                 raise record
             examples.append(_example(fmt, record, display, number, unit))
             origins.append((display, number))
+            owners.append(i)
         except DataError as exc:
             if on_bad_row == "error":
                 exc.fix = exc.fix or "fix the row, or set data.on_bad_row: skip to skip bad rows"
@@ -262,26 +347,33 @@ def build_training_list(
     if not examples:
         if not skipped:
             raise DataError(shown, None, "no rows: the data set is empty")
-        message = f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}"
+        message = f"no usable rows: all {total} rows are bad (format {_format_name(files)}); the first: {skipped[0]}"
         raise DataError(shown, None, message)
 
     held = set(split_indices(len(examples), float(val_split), seed))
     rows = [row for i, row in enumerate(examples) if i not in held]
     val_rows = [examples[i] for i in sorted(held)]
+    val_origins = [origins[i] for i in sorted(held)]
     origins = [origin for i, origin in enumerate(origins) if i not in held]
+    for i, owner in enumerate(owners):
+        if i not in held:
+            files[owner].rows += 1
     try:
         fingerprint = fingerprint_rows(rows)
     except (TypeError, ValueError) as exc:
-        raise DataError(shown, None, f"format {fmt.name} produced an example that is not JSON data: {exc}") from exc
+        message = f"format {_format_name(files)} produced an example that is not JSON data: {exc}"
+        raise DataError(shown, None, message) from exc
     return TrainingList(
         rows=rows,
         val_rows=val_rows,
         fingerprint=fingerprint,
-        format=fmt.name,
+        format=_format_name(files),
         source=", ".join(str(path) for _, path in sources),
         skipped=skipped,
-        detected=detected,
+        detected=any(f.detected for f in files),
         origins=origins,
+        files=files,
+        val_origins=val_origins,
     )
 
 
@@ -320,4 +412,13 @@ def summarize(training_list: TrainingList) -> str:
     )
     if training_list.skipped:
         line += f"; {_plural(len(training_list.skipped), 'bad row')} skipped"
+    files = training_list.files
+    if len(files) > 1 or any(f.weight != 1 for f in files):
+        from soup_core.data.order import file_draws
+
+        line += f"; {training_list.epoch_rows} rows drawn per epoch"
+        for f in files:
+            how = ", auto-detected" if f.detected else ""
+            line += (f"\n  {f.path}: {_plural(f.rows, 'training row')} (format: {f.format}{how}), weight {f.weight:g}"
+                     f" -> {file_draws(f.rows, f.weight)} per epoch")
     return line

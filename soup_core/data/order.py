@@ -9,6 +9,10 @@ with SHA-512 (seed version 2), so the order is identical across processes, platf
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+
+#: Per source file, in training-list order: (its training rows, its sampling weight).
+Spans = Sequence[tuple[int, float]]
 
 
 def _check(name: str, value: int, minimum: int) -> None:
@@ -29,6 +33,37 @@ def epoch_order(n_rows: int, *, epoch: int, seed: int, shuffle: bool = True) -> 
     return order
 
 
+def file_draws(n_rows: int, weight: float) -> int:
+    """How many rows a file of ``n_rows`` training rows gives each epoch under sampling ``weight``:
+    ``max(1, floor(weight * n_rows + 0.5))``, or 0 for an empty file."""
+    return max(1, int(weight * n_rows + 0.5)) if n_rows else 0
+
+
+def weighted_order(spans: Spans, *, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
+    """One epoch's row indices when the training list is the files of ``spans`` one after another.
+
+    File ``i`` holds rows ``[start_i, start_i + n_i)`` and gives :func:`file_draws` ``m_i`` of them: each of
+    its rows ``m_i // n_i`` times, plus ``m_i % n_i`` rows drawn without repetition by
+    ``random.Random(f"soup:{seed}:{epoch}:{i}").sample``. The whole is then shuffled as :func:`epoch_order`
+    shuffles, so with every weight 1 the order is exactly ``epoch_order(sum(n_i), ...)``.
+    """
+    picked: list[int] = []
+    start = 0
+    for i, (n, weight) in enumerate(spans):
+        _check("a file's row count", n, 0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"a file's weight must be a number > 0, got {weight!r}")
+        whole, extra = divmod(file_draws(n, weight), n) if n else (0, 0)
+        rows = range(start, start + n)
+        picked.extend(list(rows) * whole)
+        if extra:
+            picked.extend(sorted(random.Random(f"soup:{seed}:{epoch}:{i}").sample(rows, extra)))
+        start += n
+    if shuffle:
+        random.Random(f"soup:{seed}:{epoch}").shuffle(picked)
+    return picked
+
+
 def micro_batches(
     n_rows: int,
     *,
@@ -38,6 +73,7 @@ def micro_batches(
     rank: int = 0,
     world_size: int = 1,
     shuffle: bool = True,
+    spans: Spans | None = None,
 ) -> list[list[int]]:
     """The micro-batches (lists of row indices) that ``rank`` trains on in ``epoch``.
 
@@ -50,13 +86,22 @@ def micro_batches(
       permutation (row ``order[0]``, ``order[1]``, ...), so every rank gets the same number of
       micro-batches of exactly ``batch_size`` rows, as DDP needs. The padded rows are real repeats: they
       are trained on twice in that epoch and appear twice in the per-row statistics.
+
+    With ``spans`` (several files with sampling weights; their counts add up to ``n_rows``) the epoch is
+    :func:`weighted_order`: a row may appear more than once in it, and the epoch has ``sum(m_i)`` rows.
     """
     _check("n_rows", n_rows, 0)
     _check("batch_size", batch_size, 1)
     _check("world_size", world_size, 1)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-    order = epoch_order(n_rows, epoch=epoch, seed=seed, shuffle=shuffle)
+    if spans is None:
+        order = epoch_order(n_rows, epoch=epoch, seed=seed, shuffle=shuffle)
+    else:
+        if sum(n for n, _ in spans) != n_rows:
+            raise ValueError(f"the files' row counts add up to {sum(n for n, _ in spans)}, not n_rows={n_rows}")
+        order = weighted_order(spans, epoch=epoch, seed=seed, shuffle=shuffle)
+        n_rows = len(order)
     if n_rows == 0:
         return []
     if world_size == 1:

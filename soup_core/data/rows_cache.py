@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from soup_core.data.build import TrainingList, _get, _paths, _resolve, build_training_list
+from soup_core.data.build import SourceFile, TrainingList, _entries, _get, _resolve, build_training_list
 from soup_core.data.errors import DataError
 
 #: Rows per Arrow record batch.
@@ -110,7 +110,6 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     """:func:`build_training_list`, row by row into Arrow files: what it holds in memory is a batch of rows,
     not the data set. The same rows, order, split, origins, fingerprint and errors (the tests compare)."""
     import hashlib
-    from itertools import chain
 
     import pyarrow as pa
 
@@ -118,25 +117,18 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
 
     sources = [(raw, _resolve(raw, base_dir)) for raw in paths]
     shown = ", ".join(paths)
-    fmt_name, on_bad_row = _get(data, "format") or "auto", _get(data, "on_bad_row") or "error"
+    on_bad_row = _get(data, "on_bad_row") or "error"
     val_split, seed = _get(data, "val_split") or 0.0, _get(data, "seed")
     if on_bad_row not in b.BAD_ROW_MODES:
         raise DataError("", None, f"data.on_bad_row must be one of {', '.join(b.BAD_ROW_MODES)}, got {on_bad_row!r}")
     if isinstance(val_split, bool) or not isinstance(val_split, (int, float)) or not 0 <= val_split < 1:
         raise DataError("", None, f"data.val_split must be a number in [0, 1), got {val_split!r}")
-    items: Iterator[Any] = b._items(sources)
-    detected = fmt_name == "auto"
-    if detected:
-        fmt, seen = b._detect(items, b._candidates(formats, accepted), shown)
-        items = chain(seen, items)
-    else:
-        fmt = b._explicit(str(fmt_name), formats, accepted)
-    index = {raw: i for i, raw in enumerate(paths)}
+    files: list[SourceFile] = []
     every = _Writer(folder / "all.arrow", {"row": pa.string(), "canon": pa.binary(), "origin": pa.int64()})
     skipped: list[DataError] = []
     total = n = 0
     try:
-        for display, number, unit, record in items:
+        for i, fmt, (display, number, unit, record) in b._read_files(data, key, base_dir, formats, accepted, files):
             total += 1
             try:
                 if isinstance(record, DataError):
@@ -154,14 +146,14 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
             except (TypeError, ValueError) as exc:
                 raise DataError(shown, None, f"format {fmt.name} produced an example that is not JSON data: {exc}"
                                 ) from exc
-            every.add(row=row, canon=canon, origin=(index[display] << 40) | number)
+            every.add(row=row, canon=canon, origin=(i << 40) | number)
             n += 1
     finally:
         every.close()
     if not n:
         if not skipped:
             raise DataError(shown, None, "no rows: the data set is empty")
-        message = f"no usable rows: all {total} rows are bad (format {fmt.name}); the first: {skipped[0]}"
+        message = f"no usable rows: all {total} rows are bad (format {b._format_name(files)}); the first: {skipped[0]}"
         raise DataError(shown, None, message)
     held = set(b.split_indices(n, float(val_split), seed))
     rows = _Writer(folder / "rows.arrow", {"row": pa.string(), "origin": pa.int64()})
@@ -177,12 +169,14 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
             else:
                 rows.add(row=row, origin=origin)
                 digest.update(canon + b"\n")
+                files[origin >> 40].rows += 1
             position += 1
     rows.close()
     val.close()
     (folder / "all.arrow").unlink()
-    return {"fingerprint": digest.hexdigest(), "val_fingerprint": val_digest.hexdigest(), "format": fmt.name,
-            "source": ", ".join(str(path) for _, path in sources), "detected": detected,
+    return {"fingerprint": digest.hexdigest(), "val_fingerprint": val_digest.hexdigest(),
+            "format": b._format_name(files), "files": [[f.format, f.rows, f.detected] for f in files],
+            "source": ", ".join(str(path) for _, path in sources), "detected": any(f.detected for f in files),
             "skipped": [[e.path, e.line, e.message, e.unit, e.fix] for e in skipped]}
 
 
@@ -201,8 +195,11 @@ def cached_training_list(
     try:
         import pyarrow  # noqa: F401
 
-        paths = _paths(_get(data, key), key)
-        files = [[raw, str(_resolve(raw, base_dir)), file_fingerprint(_resolve(raw, base_dir))] for raw in paths]
+        entries = _entries(_get(data, key), key)
+        paths = [raw for raw, _, _ in entries]
+        # each file's own format decides its rows; its weight only the order, applied below, not cached
+        files = [[raw, str(_resolve(raw, base_dir)), file_fingerprint(_resolve(raw, base_dir)), own]
+                 for raw, own, _ in entries]
     except (ImportError, OSError, DataError):
         return build()
     parts = {
@@ -222,6 +219,8 @@ def cached_training_list(
         fingerprint=facts["fingerprint"], format=facts["format"], source=facts["source"],
         skipped=[DataError(p, line, message, unit=unit, fix=fix) for p, line, message, unit, fix in facts["skipped"]],
         detected=facts["detected"], origins=_Origins(folder / "rows.arrow", list(paths)),  # type: ignore[arg-type]
+        files=[SourceFile(raw, fmt, weight, rows, detected)
+               for (raw, _, weight), (fmt, rows, detected) in zip(entries, facts["files"], strict=True)],
     )
     training.val_fingerprint = facts["val_fingerprint"]  # type: ignore[attr-defined]
     return training

@@ -27,11 +27,8 @@ def unsupervised_rows(encoded: Sequence[Mapping[str, Any]]) -> list[int]:
 
 
 def _where(training: Any, index: int) -> str:
-    origins = getattr(training, "origins", None) or []
-    if index < len(origins):
-        path, line = origins[index]
-        return f"row {index} ({path} line {line})"
-    return f"row {index}"
+    origin = training.origin(index) if hasattr(training, "origin") else None
+    return f"row {index} ({origin[0]} line {origin[1]})" if origin else f"row {index}"
 
 
 def check_supervision(

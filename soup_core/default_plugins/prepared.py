@@ -71,6 +71,9 @@ def key_parts(task: Any, training: Any, tokenizer: Any, config: Any) -> dict[str
     from soup_core.data import fingerprint_rows
 
     data = config.data.model_dump(mode="json") if hasattr(config.data, "model_dump") else dict(vars(config.data))
+    if isinstance(data.get("train"), list):  # a file's weight orders rows, it encodes none (its reach: rows_used)
+        data["train"] = [{k: v for k, v in e.items() if k != "weight"} if isinstance(e, dict) else e
+                         for e in data["train"]]
     val = getattr(training, "val_fingerprint", None) or fingerprint_rows(training.val_rows or [])
     template = getattr(tokenizer, "chat_template", None)
     return {
@@ -153,11 +156,12 @@ def _summary(parts: list[dict[str, Any]], n_files: int, max_length: int) -> dict
     return summary
 
 
-def rows_used(config: Any, n_rows: int, world_size: int = 1) -> list[int] | None:
+def rows_used(config: Any, n_rows: int, world_size: int = 1, spans: Any = None) -> list[int] | None:
     """The training rows a run with ``training.max_steps`` can reach: every row of the first ``(max_steps + 1)
     x gradient_accumulation_steps + 2`` micro-batches of every rank, in the core's order. A step at an epoch's
     end may take fewer micro-batches, never more, and the data loader reads a batch or two ahead of the
-    step it trains, so this is an upper bound. None when that is every row."""
+    step it trains, so this is an upper bound. None when that is every row. ``spans``: the files' weights
+    (:attr:`soup_core.data.TrainingList.spans`), which decide the order."""
     from soup_core.data import micro_batches
 
     t = getattr(config, "training", None)
@@ -168,7 +172,7 @@ def rows_used(config: Any, n_rows: int, world_size: int = 1) -> list[int] | None
     epoch = 0
     while wanted > 0 and len(used) < n_rows:
         per_rank = [micro_batches(n_rows, batch_size=int(t.batch_size), epoch=epoch, seed=int(config.data.seed),
-                                  rank=r, world_size=world_size) for r in range(world_size)]
+                                  rank=r, world_size=world_size, spans=spans) for r in range(world_size)]
         take = min(wanted, len(per_rank[0]))
         for batches in per_rank:
             for batch in batches[:take]:
@@ -249,7 +253,7 @@ def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
         return task.encode(chunk, tokenizer, config)
 
     n_rows = len(training.rows)
-    used = rows_used(config, n_rows, world_size) if cacheable(task) else None
+    used = rows_used(config, n_rows, world_size, getattr(training, "spans", None)) if cacheable(task) else None
     parts = key_parts(task, training, tokenizer, config)
     if used is not None:  # a max_steps run prepares the rows it can reach: its own entry
         parts["rows_used"] = hashlib.sha256(array("l", used).tobytes()).hexdigest()

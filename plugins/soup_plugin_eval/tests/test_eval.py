@@ -80,13 +80,22 @@ def test_val_scores_the_runs_validation_split(in_home: Runs, tmp_path: Path, tin
     data = write_jsonl(tmp_path / "rows.jsonl", sums(12))
     run = train_in_process({"data": {"train": str(data), "max_length": 64, "val_split": 0.25},
                             "training": {"max_steps": 1, "batch_size": 4}}, workdir=tmp_path, default_base=tiny_model)
-    val_rows = build_training_list({"train": str(data), "val_split": 0.25, "seed": 42},
-                                   formats=load_plugins().data_formats).val_rows
+    built = build_training_list({"train": str(data), "val_split": 0.25, "seed": 42},
+                                formats=load_plugins().data_formats)
+    val_rows = built.val_rows
     assert len(val_rows) == 3
     held_out = write_jsonl(tmp_path / "held_out.jsonl", val_rows)
     by_val = scored(run.output_dir, tmp_path, "--val")["targets"][0]
     by_file = scored(run.output_dir, tmp_path, "--data", str(held_out))["targets"][0]
-    assert by_val["rows"] == 3 and by_val["row_losses"] == by_file["row_losses"]
+
+    def scores(rows: list) -> list:
+        return [(r["index"], r["loss"], r["tokens"]) for r in rows]
+
+    assert by_val["rows"] == 3 and scores(by_val["row_losses"]) == scores(by_file["row_losses"])
+    # each row names where it came from: its line in the run's data for the split, in --data for a file
+    assert [(r["file"], r["line"]) for r in by_val["row_losses"]] == built.val_origins
+    assert [(r["file"], r["line"]) for r in by_file["row_losses"]] == [(str(held_out), n) for n in (1, 2, 3)]
+    assert built.val_origins != [(str(data), n) for n in (1, 2, 3)]  # control: the split's own lines, not positions
     assert by_val["loss"] != scored(run.output_dir, tmp_path, "--data", str(data))["targets"][0]["loss"]  # control
     write_jsonl(data, sums(12, start=1))  # the run's data changed: its split cannot be rebuilt
     result = invoke(eval_, [str(run.output_dir), "--val"])

@@ -27,6 +27,8 @@ def soup_register_support() -> list[Support]:
     # training.sharding goes to every task whose class declares "shardable" (tested sharded); the others
     # refuse it with the reason
     return [Support(backend="transformers", task="sft", fields=HONOURED_FIELDS),
+            # the trainer's batch sampler draws each epoch by the files' weights (soup_core.data.weighted_order)
+            Support(backend="transformers", task="sft", fields=frozenset({"data.train.weight"})),
             Support(backend="transformers", task="*", fields=SHARDING_FIELDS, capability="shardable",
                     reasons=dict.fromkeys(SHARDING_FIELDS, UNSHARDED))]
 

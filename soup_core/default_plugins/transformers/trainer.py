@@ -77,8 +77,9 @@ class TrainerSetup:
 class RowOrderBatchSampler:
     """Yields the core's micro-batches (lists of row indices) for the epoch ``epoch_fn()`` names."""
 
-    def __init__(self, n_rows: int, *, batch_size: int, seed: int, rank: int, world_size: int, epoch_fn: Any) -> None:
-        self.n_rows, self.batch_size, self.seed = n_rows, batch_size, seed
+    def __init__(self, n_rows: int, *, batch_size: int, seed: int, rank: int, world_size: int, epoch_fn: Any,
+                 spans: Any = None) -> None:
+        self.n_rows, self.batch_size, self.seed, self.spans = n_rows, batch_size, seed, spans
         self.rank, self.world_size = rank, world_size
         self.epoch_fn = epoch_fn
         self._len = len(self.batches(0))
@@ -91,6 +92,7 @@ class RowOrderBatchSampler:
             seed=self.seed,
             rank=self.rank,
             world_size=self.world_size,
+            spans=self.spans,
         )
 
     def __iter__(self):
@@ -310,6 +312,7 @@ class SoupTrainerMixin:
             rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
             epoch_fn=self._soup_epoch,
+            spans=getattr(self._soup.ctx.training, "spans", None),  # the files' sampling weights
         )
         loader = DataLoader(
             self.train_dataset,

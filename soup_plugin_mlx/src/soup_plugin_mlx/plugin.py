@@ -32,7 +32,9 @@ def soup_register_support() -> list[Support]:
     return [Support(backend=MLXBackend.name, task="sft", fields=HONOURED_FIELDS, reasons=REFUSED_REASONS),
             Support(backend=MLXBackend.name, task="sft", fields=frozenset(),
                     reasons={"training.sharding": one_process, "training.cpu_offload": one_process,
-                             "training.spike_guard": no_gate})]
+                             "training.spike_guard": no_gate,
+                             "data.train.weight": "the mlx trainer draws every row once per epoch: it has no "
+                                                  "sampling weights (the transformers backend has)"})]
 
 
 @hookimpl

@@ -38,6 +38,11 @@ def _num(value: float) -> Any:
     return value if math.isfinite(value) else None  # strict JSON: a row with no supervised token has no loss
 
 
+def _source(origin: tuple[str, int] | None) -> dict[str, Any]:
+    """A row's data file and line (or record number) for its JSON entry; nothing when unknown."""
+    return {} if origin is None else {"file": origin[0], "line": origin[1]}
+
+
 def _store(spec: Any, key: str, text: str) -> str | None:
     """Record the result in the run's tracker row; a note when it cannot be."""
     from soup_core import Tracker
@@ -95,23 +100,23 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
     from soup_plugin_eval.evaluate import encode, eval_rows, score
 
     plugins = load_plugins()
-    results: list[tuple[Any, Any, str]] = []
+    results: list[tuple[Any, Any, str, Any]] = []
     for spec_text in targets:
         spec, loaded = load_target(spec_text)
-        rows, what = eval_rows(spec, plugins, data)
+        rows, what, origin = eval_rows(spec, plugins, data)
         if not rows:
             raise Fail(f"{what}: no rows to score")
         encoded = encode(spec, plugins, rows, loaded.tokenizer)
         scores = score(loaded, encoded, batch_size=batch_size, progress=Progress("scoring", len(encoded)))
-        results.append((spec, scores, what))
+        results.append((spec, scores, what, origin))
         del loaded  # one model in memory at a time
     from rich.table import Table
 
-    table = Table(title=f"soup eval: {results[0][2]}" if len({w for *_, w in results}) == 1 else "soup eval")
+    table = Table(title=f"soup eval: {results[0][2]}" if len({r[2] for r in results}) == 1 else "soup eval")
     for column in ("target", "rows", "tokens", "loss", "perplexity"):
         table.add_column(column, justify="left" if column == "target" else "right")
     notes = []
-    for spec, scores, _what in results:
+    for spec, scores, _what, _origin in results:
         table.add_row(spec.label, str(len(scores.row_loss)), str(scores.tokens), f"{scores.loss:.4f}",
                       f"{scores.perplexity:.4g}")
         name = "val" if data is None else data.name
@@ -128,9 +133,9 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
             "target": spec.spec, "label": spec.label, "run_id": spec.run_id, "data": what,
             "rows": len(scores.row_loss), "tokens": scores.tokens, "loss": _num(scores.loss),
             "perplexity": _num(scores.perplexity),
-            "row_losses": [{"index": i, "loss": _num(loss), "tokens": n}
+            "row_losses": [{"index": i, "loss": _num(loss), "tokens": n, **_source(origin(i))}
                            for i, (loss, n) in enumerate(zip(scores.row_loss, scores.row_tokens, strict=True))],
-        } for spec, scores, what in results]}
+        } for spec, scores, what, origin in results]}
         try:
             atomic_write(json_path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
         except OSError as exc:

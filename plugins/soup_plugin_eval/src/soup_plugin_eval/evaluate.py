@@ -40,9 +40,13 @@ class Scores:
         return math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf if loss == loss else math.nan
 
 
-def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dict[str, Any]], str]:
-    """The rows to score and what they are: ``data`` read as the run's task reads training rows, or (None)
-    the run's own validation split, rebuilt from its data and checked against the run's fingerprint."""
+Origin = Callable[[int], "tuple[str, int] | None"]
+
+
+def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dict[str, Any]], str, Origin]:
+    """The rows to score, what they are, and where row ``i`` came from (file, line): ``data`` read as the run's
+    task reads training rows, or (None) the run's own validation split, rebuilt from its data and checked
+    against the run's fingerprint."""
     from soup_core.data import build_training_list
 
     config = target.config
@@ -52,7 +56,8 @@ def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dic
     accepted = task.formats or None
     if data is not None:
         section = {"train": str(data), "format": config.data.format, "val_split": 0.0, "on_bad_row": "error"}
-        return build_training_list(section, formats=plugins.data_formats, accepted=accepted).rows, str(data)
+        built = build_training_list(section, formats=plugins.data_formats, accepted=accepted)
+        return built.rows, str(data), built.origin
     if not config.data.val_split:
         raise TargetError(f"run {target.run_id or target.label} held out no validation rows (data.val_split: 0); "
                           "give the rows with --data FILE")
@@ -61,7 +66,7 @@ def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dic
         raise TargetError(f"the run's data ({built.source}) changed since it trained (fingerprint "
                           f"{built.fingerprint[:16]}, the run recorded {target.fingerprint}): its validation split "
                           "cannot be rebuilt; give the held-out rows with --data FILE")
-    return built.val_rows, f"validation split of {built.source}"
+    return built.val_rows, f"validation split of {built.source}", lambda i: built.origin(i, val=True)
 
 
 def encode(target: Target, plugins: Any, rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:

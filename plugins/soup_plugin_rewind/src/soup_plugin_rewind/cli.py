@@ -205,6 +205,7 @@ def run_report(
     # ---- the detailed step
     ranked: list[analysis.RankedRow] = []
     shown_previews: dict[int, str] | None = None
+    origins: dict[int, tuple[str, int] | None] = {}
     preview_note: str | None = None
     rebuilt = None
     need_rebuild = (detail is not None and not no_preview) or bool(dropped)
@@ -216,6 +217,7 @@ def run_report(
         if not no_preview and rebuilt is not None:
             if rebuilt.ok:
                 shown_previews = preview.previews(rebuilt, [r.row for r in ranked])
+                origins = {r.row: rebuilt.origin(r.row) for r in ranked}
                 preview_note = "shown"
             else:
                 preview_note = rebuilt.reason
@@ -224,7 +226,7 @@ def run_report(
             preview_note = "not requested (--no-preview)"
         out.print(render.rows_table(detail, ranked, shown_previews).render(out.width))
         top_row = ranked[0] if ranked else None
-        out.print(render.headline(detail, top_row))
+        out.print(render.headline(detail, top_row, origins.get(top_row.row) if top_row else None))
         if analysis.advise(top_row):
             out.print("Inspect or drop this row, then retrain.")
 
@@ -241,7 +243,7 @@ def run_report(
             n_batches=log.n_batches, skipped={"blank": log.skipped.blank, "corrupt": log.skipped.corrupt,
             "truncated": log.skipped.truncated}, ranks=ranks, recurring=recurring,
             n_spikes_examined=len(examined), previews=shown_previews, preview_note=preview_note,
-            fingerprint=log.header.get("dataset_fingerprint"), guards=log.guards,
+            fingerprint=log.header.get("dataset_fingerprint"), guards=log.guards, origins=origins,
         )
         _write(destinations["--json"], report_mod.dumps_report(doc).encode("utf-8"), "--json", err)
 

@@ -61,7 +61,7 @@ class SpikeGuard(Controller):
         self.out: Path | None = None
         self.rank = 0
         self.start: RunStart | None = None
-        self._origins: list[tuple[str, int]] | None = None
+        self._rebuilt: Any = None
 
     @property
     def wants_rows(self) -> bool:  # type: ignore[override]
@@ -131,9 +131,9 @@ class SpikeGuard(Controller):
         return actions
 
     def _quarantine(self, step: int, named: Sequence[Any]) -> None:
-        origins = self._row_origins()
+        rebuilt = self._rebuild()
         for r in named:
-            file, line = origins[r.row] if origins and r.row < len(origins) else (None, None)
+            file, line = (rebuilt.origin(r.row) if rebuilt is not None else None) or (None, None)
             self.quarantined[r.row] = {"row": r.row, "file": file, "line": line, "step": step, "share": r.share}
         if self.rank == 0:
             self._write_quarantine()
@@ -145,9 +145,9 @@ class SpikeGuard(Controller):
         records = sorted(self.quarantined.values(), key=lambda r: (r["step"], r["row"]))
         soup_core.atomic_write(self.out / QUARANTINE_FILE, "".join(json.dumps(r) + "\n" for r in records))
 
-    def _row_origins(self) -> list[tuple[str, int]] | None:
-        """Where each training row came from (file, line), rebuilt once from the run's saved config."""
-        if self._origins is None and self.start is not None and self.out is not None:
+    def _rebuild(self) -> Any:
+        """The run's training list, rebuilt once from its saved config: it says where each row came from."""
+        if self._rebuilt is None and self.start is not None and self.out is not None:
             import yaml
 
             from soup_plugin_rewind.locate import SAVED_CONFIG
@@ -157,6 +157,5 @@ class SpikeGuard(Controller):
                 config = yaml.safe_load((self.out / SAVED_CONFIG).read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 config = None
-            rebuilt = rebuild(config, self.start.fingerprint, self.out)
-            self._origins = rebuilt.origins or []
-        return self._origins
+            self._rebuilt = rebuild(config, self.start.fingerprint, self.out)
+        return self._rebuilt

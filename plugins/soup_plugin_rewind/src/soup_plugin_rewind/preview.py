@@ -22,11 +22,15 @@ class Rebuilt:
     reason: str = ""
     format: str = ""
     n_val: int = 0
-    origins: list[tuple[str, int]] | None = None  # each row's (file, line)
+    training: Any = None  # the rebuilt soup_core.TrainingList
 
     @property
     def ok(self) -> bool:
         return self.rows is not None
+
+    def origin(self, row: int) -> tuple[str, int] | None:
+        """Training row ``row``'s (file as the config names it, line or record), as the training list says."""
+        return self.training.origin(row) if self.training is not None else None
 
 
 def _base_dirs(config: dict[str, Any], output_dir: Path | None) -> list[Path | None]:
@@ -76,8 +80,7 @@ def rebuild(config: dict[str, Any] | None, fingerprint: Any, output_dir: Path | 
             problem = f"Preview withheld: cannot rebuild the data set: {type(exc).__name__}: {exc}"
             continue
         if training.fingerprint == fingerprint:
-            return Rebuilt(training.rows, format=training.format, n_val=len(training.val_rows),
-                           origins=list(training.origins))
+            return Rebuilt(training.rows, format=training.format, n_val=len(training.val_rows), training=training)
         problem = WITHHELD
     return Rebuilt(None, problem)
 

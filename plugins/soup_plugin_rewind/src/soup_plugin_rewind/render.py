@@ -127,8 +127,14 @@ def rows_table(step: int, rows: Sequence[RankedRow], previews: dict[int, str] | 
     return table
 
 
-def headline(step: int, top: RankedRow | None) -> str:
-    """The line naming the step's worst row: ``row 17: 98% of step 9's loss, 300 tokens``."""
+def headline(step: int, top: RankedRow | None, origin: tuple[str, int] | None = None) -> str:
+    """The line naming the step's worst row: ``row 17: 98% of step 9's loss, 300 tokens``, and where it came
+    from when known (``, from data/b.csv line 4``)."""
+    line = _headline(step, top)
+    return f"{line}, from {origin[0]} line {origin[1]}" if origin is not None and top is not None else line
+
+
+def _headline(step: int, top: RankedRow | None) -> str:
     if top is None:
         return f"step {step}: no rows recorded"
     tokens = f"{top.tokens} token" + ("" if top.tokens == 1 else "s")

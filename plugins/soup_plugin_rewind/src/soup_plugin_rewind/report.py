@@ -70,7 +70,7 @@ def spike_json(spike: Spike) -> dict[str, Any]:
     return out
 
 
-def row_json(row: RankedRow, preview: str | None = None) -> dict[str, Any]:
+def row_json(row: RankedRow, preview: str | None = None, origin: tuple[str, int] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"row": row.row}
     nulls: dict[str, str] = {}
     if row.tokens == 0:
@@ -85,6 +85,8 @@ def row_json(row: RankedRow, preview: str | None = None) -> dict[str, Any]:
     out["nonfinite"] = row.nonfinite
     if preview is not None:
         out["preview"] = preview
+    if origin is not None:  # the data file (as the config names it) and its line or record number
+        out["file"], out["line"] = origin
     if nulls:
         out["null_reason"] = nulls
     return out
@@ -108,13 +110,15 @@ def build_report(
     preview_note: str | None,
     fingerprint: Any,
     guards: Sequence[dict[str, Any]] = (),
+    origins: dict[int, tuple[str, int] | None] | None = None,
 ) -> dict[str, Any]:
     """The report: the original's keys (``run_id``, ``step``, ``spikes``, ``rows``) and ours beside them."""
     report: dict[str, Any] = {
         "run_id": run_id,
         "step": step,
         "spikes": [spike_json(s) for s in spikes],
-        "rows": [row_json(r, None if previews is None else previews.get(r.row)) for r in rows],
+        "rows": [row_json(r, None if previews is None else previews.get(r.row), (origins or {}).get(r.row))
+                 for r in rows],
         "schema": REPORT_SCHEMA,
         "log": str(log_path),
         "ranks": ranks,
