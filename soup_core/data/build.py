@@ -419,6 +419,6 @@ def summarize(training_list: TrainingList) -> str:
         line += f"; {training_list.epoch_rows} rows drawn per epoch"
         for f in files:
             how = ", auto-detected" if f.detected else ""
-            line += (f"\n  {f.path}: {_plural(f.rows, 'training row')} (format: {f.format}{how}), weight {f.weight:g}"
+            line += (f"\n    {f.path}: {_plural(f.rows, 'training row')} (format: {f.format}{how}), weight {f.weight:g}"
                      f" -> {file_draws(f.rows, f.weight)} per epoch")
     return line
