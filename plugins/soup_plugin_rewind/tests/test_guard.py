@@ -175,3 +175,28 @@ def test_the_guard_is_refused_where_it_cannot_act(tmp_path):
                             plugins=plugins)
     with pytest.raises(ConfigError, match="spike_guard"):
         validate_config({**base, "training": {"spike_guard": "sometimes"}}, plugins=plugins)
+
+
+def test_a_quarantined_row_of_the_second_file_is_named_by_that_file_and_line(tmp_path):
+    from types import SimpleNamespace
+
+    import soup_core
+    from soup_plugin_rewind.guard import QUARANTINE_FILE, SpikeGuard
+    from soup_plugin_rewind.locate import SAVED_CONFIG
+
+    chat = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]}
+            for i in range(4)]
+    first = write_jsonl(tmp_path / "a.jsonl", chat)
+    second = tmp_path / "b.csv"
+    second.write_text("instruction,output\nDouble 1.,2\n\nDouble 2.,4\nDouble 3.,6\n", encoding="utf-8")
+    data = {"train": [str(first), {"path": str(second), "weight": 2}]}
+    built = soup_core.build_training_list(data, formats=dict(soup_core.load_plugins().data_formats.items()))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / SAVED_CONFIG).write_text(json.dumps({"task": "sft", "data": data}), encoding="utf-8")  # YAML reads JSON
+    guard = SpikeGuard()
+    guard.start, guard.out = SimpleNamespace(fingerprint=built.fingerprint), out
+    guard._quarantine(7, [SimpleNamespace(row=5, share=0.9), SimpleNamespace(row=1, share=0.05)])
+    records = [json.loads(line) for line in (out / QUARANTINE_FILE).read_text().splitlines()]
+    # row 5 is the second CSV row, on line 4 after a blank line (control: row 1 is the first file's line 2)
+    assert [(r["row"], r["file"], r["line"]) for r in records] == [(1, str(first), 2), (5, str(second), 4)]
