@@ -194,6 +194,9 @@ def test_a_weighted_two_file_run_trains_by_weight_and_rewind_names_the_second_fi
     top = json.loads((tmp_path / "r.json").read_text())["rows"][0]
     assert (top["row"], top["file"], top["line"]) == (bad, str(b), poisoned + 2)
     assert f"row {bad}: " in shown.stdout and f"from {b} line {poisoned + 2}" in shown.stdout
+    dropped = run_soup(["rewind", run.run_id, "--drop-rows", str(bad), "--write-data", "kept.jsonl"], cwd=tmp_path)
+    assert dropped.returncode == 1 and f"row {bad}: {b} line {poisoned + 2}" in dropped.stderr, dropped.stderr
+    assert not (tmp_path / "kept.jsonl").exists()  # one file of chat and alpaca rows would read as neither
 
     # resuming continues the checkpoint's order: another weight is refused (control: the same files are not)
     resume = {**config, "output": str(run.output_dir)}

@@ -269,9 +269,16 @@ def _write_without(path: Path, rebuilt: Any, dropped: list[int], err: Any) -> No
     if beyond:
         raise _Exit(2, f"--drop-rows: row {beyond[0]} is beyond the {len(rebuilt.rows)} training rows (0–"
                     f"{len(rebuilt.rows) - 1})")
+    files = list(getattr(rebuilt.training, "files", None) or [])
+    if len({f.format for f in files}) > 1:  # one file of mixed shapes reads under no single data.format
+        where = "; ".join(f"row {r}: {o[0]} line {o[1]}" for r in dropped[:5] if (o := rebuilt.origin(r)))
+        raise _Exit(1, f"--write-data: not written, the run's rows come from files in several formats "
+                    f"({rebuilt.format}), which one file cannot hold; drop the rows from their files instead ({where})")
     _write(path, preview.without_rows(rebuilt, dropped), "--write-data", err)
     kept = len(rebuilt.rows) - len(dropped)
     val = f"; the {rebuilt.n_val} validation rows the run held out are not in it" if rebuilt.n_val else ""
+    if any(f.weight != 1 for f in files):
+        val += "; the files' data.train weights are not in it (each row is in it once)"
     err.print(
         f"{kept} of {len(rebuilt.rows)} training rows kept (format {rebuilt.format}, normalised){val}. "
         f"Retrain with data.train: {path}"
