@@ -98,12 +98,20 @@ def has_attribute(obj: Any, dotted: str) -> bool:
     return True
 
 
+def installation_key() -> str:
+    """A hash of this installation: this Python and every distribution on ``sys.path``, at its version and
+    place. A verdict kept under it (a deep probe's, a base model's check) is asked afresh after any install."""
+    import hashlib
+
+    install = repr([sys.version, sys.executable, sorted(distributions.installed().values())])
+    return hashlib.sha256(install.encode()).hexdigest()
+
+
 def run_deep_probe(plugin: str, probe: Probe) -> ProbeResult:
     """A deep probe's verdict before a run. A pass is kept under ``$SOUP_HOME/cache/probes.json`` for this
     installation: every distribution on ``sys.path`` at the same version and place, this Python, and the
     probe's source file unchanged; so a run does not import a library only to ask it what it already
     answered. Failures are never kept, and ``soup plugins list --check`` always asks afresh."""
-    import hashlib
     import json
 
     from soup_core.io import atomic_write, read_json_object
@@ -115,8 +123,7 @@ def run_deep_probe(plugin: str, probe: Probe) -> ProbeResult:
         source = [code.co_filename, code.co_firstlineno, stamp.st_mtime_ns, stamp.st_size] if stamp else None
     except OSError:
         source = None
-    install = repr([sys.version, sys.executable, sorted(distributions.installed().values())])
-    env = hashlib.sha256(install.encode()).hexdigest()
+    env = installation_key()
     key = json.dumps([plugin, probe.name, probe.scope, source])
     path = soup_home() / "cache" / "probes.json"
     cached = read_json_object(path) or {}

@@ -17,7 +17,7 @@ from soup_core.testing import isolated_plugins, write_jsonl, write_yaml
 
 pytest_plugins = ["soup_core.testing"]
 
-HEAVY = ("bitsandbytes", "peft", "trl", "datasets")
+HEAVY = ("bitsandbytes", "peft", "trl", "datasets", "torch")
 
 # runs soup train in this fresh interpreter and prints which of HEAVY it imported
 _TRAIN_AND_REPORT = f"""
@@ -57,14 +57,95 @@ def test_a_run_without_quantisation_never_imports_bitsandbytes(tmp_path, tiny_mo
     assert quantised["code"] == 0 and "bitsandbytes" in quantised["modules"]
 
 
-def test_a_dry_run_with_the_probe_verdict_kept_imports_no_trainer_library(tmp_path, tiny_model, soup_home) -> None:
+def test_a_dry_run_with_the_verdicts_kept_imports_neither_torch_nor_a_trainer_library(tmp_path, tiny_model,
+                                                                                      soup_home) -> None:
     config = _config(tmp_path, tiny_model, "dry")
-    first = _train_and_report(config, dry=True)  # control: a fresh SOUP_HOME runs the deep probe, importing trl
-    assert first["code"] == 0 and {"trl", "peft"} <= set(first["modules"])
+    # control: a fresh SOUP_HOME runs the deep probe (importing trl) and loads the base's config (torch)
+    first = _train_and_report(config, dry=True)
+    assert first["code"] == 0 and {"trl", "peft", "torch"} <= set(first["modules"])
     assert "bitsandbytes" not in first["modules"]
     second = _train_and_report(config, dry=True)
     assert second == {"code": 0, "modules": []}
-    assert (soup_home / "cache" / "probes.json").is_file()
+    assert (soup_home / "cache" / "probes.json").is_file() and (soup_home / "cache" / "bases.json").is_file()
+
+
+# ------------------------------------------------------------------------------------ the base verdict
+
+
+def _copy_model(tiny_model: Path, to: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(tiny_model, to))
+
+
+def test_a_kept_base_verdict_loads_the_tokenizer_auto_tokenizer_would(tmp_path, tiny_model, soup_home,
+                                                                      monkeypatch) -> None:
+    from transformers import AutoTokenizer
+
+    from soup_core.default_plugins.prepared import tokenizer_fingerprint
+    from soup_core.default_plugins.transformers import checks
+
+    base = str(_copy_model(tiny_model, tmp_path / "m"))
+    auto = AutoTokenizer.from_pretrained(base)
+    chat = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]
+    called: list[str] = []
+    real = AutoTokenizer.from_pretrained.__func__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: called.append(a[0]) or real(cls, *a, **k)))
+    checks.load_tokenizer(base)
+    assert called == [base]  # control: nothing kept yet, so AutoTokenizer chooses
+    assert checks.base_problem(base) is None and len(called) == 2
+    light = checks.load_tokenizer(base)
+    assert len(called) == 2  # the class AutoTokenizer chose is loaded directly
+    assert type(light) is type(auto) and tokenizer_fingerprint(light) == tokenizer_fingerprint(auto)
+    assert light.apply_chat_template(chat, tokenize=True) == auto.apply_chat_template(chat, tokenize=True)
+    assert light("a b c")["input_ids"] == auto("a b c")["input_ids"]
+
+
+def test_a_base_verdict_is_asked_again_when_its_files_or_the_installation_change(tmp_path, tiny_model,
+                                                                                 soup_home, monkeypatch) -> None:
+    from transformers import AutoConfig
+
+    from soup_core.default_plugins.transformers import checks
+
+    folder = _copy_model(tiny_model, tmp_path / "m")
+    assert checks.base_problem(str(folder)) is None
+    loads: list[str] = []
+    real = AutoConfig.from_pretrained.__func__
+    monkeypatch.setattr(AutoConfig, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: loads.append(a[0]) or real(cls, *a, **k)))
+    assert checks.base_problem(str(folder)) is None and loads == []  # kept: nothing loaded
+    (folder / "model.safetensors").write_bytes(b"not read by the check")
+    assert checks.base_problem(str(folder)) is None and loads == []  # the weights do not decide it
+    # another installation: checked again
+    real_installed = distributions.installed()
+    changed = {**real_installed,
+               "transformers": distributions.Installed("transformers", "0.0.1", "/elsewhere/t-0.0.1.dist-info")}
+    monkeypatch.setattr(distributions, "installed", lambda path=None: changed)
+    assert checks.base_problem(str(folder)) is None and loads and set(loads) == {str(folder)}
+    monkeypatch.setattr(distributions, "installed", lambda path=None: real_installed)
+    # a tokenizer file edited so that it no longer loads: checked again, and refused
+    (folder / "tokenizer.json").write_text("{not json")
+    seen = len(loads)
+    problem = checks.base_problem(str(folder))
+    assert problem and "the tokenizer in" in problem and "does not load" in problem and len(loads) > seen
+    seen = len(loads)
+    assert checks.base_problem(str(folder)) and len(loads) > seen  # a failure is never kept
+
+
+def test_a_base_with_remote_code_is_never_kept(tmp_path, tiny_model, soup_home) -> None:
+    import json as _json
+
+    from soup_core.default_plugins.transformers import checks
+
+    folder = _copy_model(tiny_model, tmp_path / "m")
+    config = _json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(_json.dumps({**config, "auto_map": {}}))
+    assert checks.base_problem(str(folder)) is None
+    assert not (soup_home / "cache" / "bases.json").exists()
+    (folder / "config.json").write_text(_json.dumps(config))  # control: without auto_map it is kept
+    assert checks.base_problem(str(folder)) is None
+    assert (soup_home / "cache" / "bases.json").is_file()
 
 
 _BLOCK_THEN_USE = """

@@ -482,9 +482,9 @@ def token_length_summary(config: Any, plan: Any, *, plugins: Any) -> str:
     if training is None or not hasattr(task, "encode"):
         return "token lengths: not reported by this task"
     try:
-        from transformers import AutoTokenizer
+        from soup_core.default_plugins.transformers.checks import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.base, local_files_only=True)
+        tokenizer = load_tokenizer(str(config.base))
     except Exception as exc:  # noqa: BLE001 - a dry run reports, it does not fail, on a missing tokenizer
         return f"token lengths: skipped (no local tokenizer for {config.base!r}: {type(exc).__name__})"
     from soup_core.data import check_supervision

@@ -4,7 +4,9 @@ when offline), every ``training.report_to`` tracker (it imports), and an output 
 cannot be written.
 
 Each check returns None, or one message that says what is wrong, where, and how to fix it. Only the base's
-config and tokenizer are read, never its weights.
+config and tokenizer are read, never its weights; a model folder that passed is remembered under
+``$SOUP_HOME/cache/bases.json`` (by its files' content and this installation), so the next dry run of it
+imports no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 #: Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -53,6 +56,9 @@ def base_problem(base: str, *, what: str = "base") -> str | None:
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return (f"{what}: {base!r} has a model but no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}); "
                 "save the tokenizer into that folder (tokenizer.save_pretrained)")
+    key = _fingerprint(folder)
+    if key is not None and _kept_class(key):
+        return None  # this installation loaded these very files before (importing torch to do so)
     from transformers import AutoConfig, AutoTokenizer
 
     from soup_core.default_plugins.transformers.loading import quiet_progress
@@ -60,11 +66,90 @@ def base_problem(base: str, *, what: str = "base") -> str | None:
     for kind, loader in (("config", AutoConfig), ("tokenizer", AutoTokenizer)):
         try:
             with quiet_progress():
-                loader.from_pretrained(str(folder), local_files_only=True)
+                loaded = loader.from_pretrained(str(folder), local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure to load is the user's folder to fix
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             return f"{what}: the {kind} in {base!r} does not load: {first}"
+    if key is not None:
+        _keep(key, type(loaded))
     return None
+
+
+def load_tokenizer(base: str) -> Any:
+    """The base's tokenizer, as ``AutoTokenizer`` loads it (local files only). For a model folder whose check
+    passed under this installation, the class ``AutoTokenizer`` chose then is loaded directly: the auto
+    classes import torch (seconds), which nothing else in a dry run needs."""
+    folder = Path(os.path.expanduser(base))
+    key = _fingerprint(folder) if looks_local(base) and folder.is_dir() else None
+    kept = _kept_class(key) if key is not None else None
+    if kept:
+        module, _, name = kept.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            cls = None  # transformers changed under the same version stamp: ask AutoTokenizer
+        if cls is not None:
+            return cls.from_pretrained(str(folder), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base, local_files_only=True)
+
+
+#: endings of weight files, which a base check never reads (so they do not decide its verdict)
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+_KEPT = 64
+
+
+def _fingerprint(folder: Path) -> str | None:
+    """What decides a base check: the folder's resolved path (transformers matches it against model names)
+    and the content of each of its files but the weights. None for a folder with remote code (``auto_map``),
+    which is always loaded afresh, or one that cannot be read."""
+    import hashlib
+
+    digest = hashlib.sha256(str(folder.resolve()).encode())
+    try:
+        for name in sorted(os.listdir(folder)):
+            path = folder / name
+            if name.endswith(_WEIGHTS) or not path.is_file():
+                continue
+            data = path.read_bytes()
+            if name.endswith("config.json") and b'"auto_map"' in data:
+                return None
+            digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _verdicts() -> tuple[Path, str, dict[str, str]]:
+    from soup_core.io import read_json_object
+    from soup_core.probes import installation_key
+    from soup_core.tracker.store import soup_home
+
+    path, env = soup_home() / "cache" / "bases.json", installation_key()
+    cached = read_json_object(path) or {}
+    kept = cached.get("passed")
+    return path, env, kept if cached.get("env") == env and isinstance(kept, dict) else {}
+
+
+def _kept_class(key: str) -> str | None:
+    """The tokenizer class (``module:name``) of a base whose check passed with these files, if kept."""
+    kept = _verdicts()[2].get(key)
+    return kept if isinstance(kept, str) and ":" in kept else None
+
+
+def _keep(key: str, tokenizer_class: type) -> None:
+    import contextlib
+    import json
+
+    from soup_core.io import atomic_write
+
+    path, env, kept = _verdicts()
+    kept.pop(key, None)
+    kept[key] = f"{tokenizer_class.__module__}:{tokenizer_class.__qualname__}"
+    kept = dict(list(kept.items())[-_KEPT:])  # bounded: the bases checked last
+    with contextlib.suppress(OSError):  # a verdict that cannot be kept only costs the next run time
+        atomic_write(path, json.dumps({"env": env, "passed": kept}, indent=1))
 
 
 def report_to_problem(names: Iterable[str] | str | None) -> str | None:
