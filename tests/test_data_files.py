@@ -218,3 +218,8 @@ def test_a_weight_the_backend_does_not_draw_by_is_refused(two_files):
         result = run_soup(["train", "-c", str(config), "--dry-run"])
         assert result.returncode == 1 and "data.train[1].weight: " in result.stderr and reason in result.stderr
         assert "Traceback" not in result.stderr
+    config.write_text(f"base: x\noutput: {a.parent / 'out'}\ndata:\n  train: [{a}, {{path: {b}, weight: 0}}]\n",
+                      encoding="utf-8")
+    result = run_soup(["train", "-c", str(config)])
+    assert result.returncode == 1 and "data.train[1].weight: must be > 0, got 0" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (a.parent / "out").exists()
