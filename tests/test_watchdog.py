@@ -155,13 +155,15 @@ def test_watchdog_true_is_refused_where_the_backend_cannot_run_it():
 
     from soup_core.default_plugins.transformers.plugin import soup_preflight
 
-    def config(value):
-        return SimpleNamespace(backend="mlx", training=SimpleNamespace(watchdog=value))
+    def config(value, backend="other"):
+        return SimpleNamespace(backend=backend, training=SimpleNamespace(watchdog=value))
 
-    assert soup_preflight(config(None)).lines == ["watchdog off: the mlx backend has no update gate"]
+    assert soup_preflight(config(None)).lines == ["watchdog off: the other backend has no update gate"]
     refused = soup_preflight(config(True))
     assert refused.refusal and "training.watchdog" in refused.refusal
     assert soup_preflight(config(False)) is None
+    # the mlx plugin runs the non-finite rule and speaks for itself (soup_plugin_mlx/tests/test_watchdog.py)
+    assert soup_preflight(config(None, "mlx")) is None and soup_preflight(config(True, "mlx")) is None
 
 
 @pytest.mark.parametrize("setting", [None, True])

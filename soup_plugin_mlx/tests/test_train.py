@@ -64,6 +64,7 @@ def test_soup_train_on_mlx_records_everything(
     out = capsys.readouterr().out
     assert "backend mlx" in out and "LoRA r=8 alpha=16 on q_proj, k_proj, v_proj, o_proj, gate_proj" in out
     assert "step 4/12  loss" in out and "step 12/12  loss" in out  # the progress lines, every logging_steps
+    assert out.count("watchdog off: its divergence rule") == 1  # one line, and the run trained
 
     from soup_core import Tracker
 

@@ -43,9 +43,9 @@ def _stack_installed() -> ProbeResult:
 
 def _trl_seams() -> ProbeResult:
     """Deep: the trl/transformers objects this backend extends still have the seams it uses."""
-    from soup_core.default_plugins.transformers.imports import BITSANDBYTES, without
+    from soup_core.default_plugins.transformers.imports import BITSANDBYTES, SCIPY, without
 
-    with without(BITSANDBYTES):  # the seams are trl's and transformers'; peft would import bitsandbytes
+    with without(BITSANDBYTES, SCIPY):  # the seams are trl's and transformers'; peft would import bitsandbytes
         from transformers import Trainer
         from trl import SFTConfig, SFTTrainer
 
@@ -80,12 +80,16 @@ def soup_register_config_fields() -> list[ConfigField]:
     )]
 
 
+#: Backends whose plugin runs (part of) the watchdog in its own trainer and says so in its own pre-flight.
+RUN_THEIR_OWN_WATCHDOG = frozenset({"mlx"})
+
+
 @hookimpl
 def soup_preflight(config: Any) -> PreflightReport | None:
     """What this backend can check without loading weights (the base, report_to, the output path), so a dry
     run fails where the run would."""
     if getattr(config, "backend", None) != "transformers":
-        if getattr(config, "training", None) is None:
+        if getattr(config, "training", None) is None or config.backend in RUN_THEIR_OWN_WATCHDOG:
             return None
         watchdog = getattr(config.training, "watchdog", None)
         if watchdog is None:  # the watchdog lives in this backend's trainer

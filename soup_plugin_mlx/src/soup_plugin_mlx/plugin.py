@@ -15,6 +15,8 @@ from soup_plugin_mlx.support import HONOURED_FIELDS, REFUSED_REASONS
 
 #: Hook-API versions this plugin supports (min, max).
 SOUP_HOOK_API = (1, 1)
+#: Why the mlx trainer runs only the watchdog's (``training.watchdog``) non-finite rule.
+NO_DIVERGENCE = "the mlx trainer measures no update size, so a diverging run is not stopped"
 
 
 @hookimpl
@@ -64,10 +66,19 @@ def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
 @hookimpl
 def soup_preflight(config: Any) -> PreflightReport | None:
     """The base is a model folder whose config and tokenizer load, or a cached hub id when offline: so a dry
-    run fails where the run would, before any weights load."""
+    run fails where the run would, before any weights load. Also what of the watchdog runs here: its
+    non-finite rule, not its divergence rule (one line; ``training.watchdog: true`` is refused)."""
     if getattr(config, "backend", None) != MLXBackend.name:
         return None
     from soup_core.default_plugins.transformers import base_problem
 
+    watchdog = getattr(config.training, "watchdog", None)
+    if watchdog is True:
+        return PreflightReport(refusal="training.watchdog: true, but the mlx backend runs only the "
+                               f"watchdog's non-finite rule ({NO_DIVERGENCE})",
+                               fix="remove training.watchdog (its non-finite rule stays on), or train with "
+                               "backend: transformers")
     problem = base_problem(str(config.base))
-    return PreflightReport(refusal=problem) if problem else None
+    lines = [f"watchdog off: its divergence rule ({NO_DIVERGENCE}); on: a non-finite loss or gradient skips "
+             "the update, 5 in a row stop the run"] if watchdog is None else []
+    return PreflightReport(lines=lines, refusal=problem) if problem or lines else None

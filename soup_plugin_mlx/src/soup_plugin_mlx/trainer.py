@@ -12,11 +12,17 @@ backend.
   gradient clipping to ``max_grad_norm``, the Trainer's schedules (:mod:`soup_plugin_mlx.schedule`).
 - Events: run start/end, every micro-batch's rows and per-row losses, every optimizer step's metrics
   (which the tracker's recorder stores), controller actions (stop, roll back) between steps.
+- The watchdog's non-finite rule (``training.watchdog`` not false): a step whose loss or gradient norm is
+  not finite applies nothing (weights, moments and AdamW's step count stay; ``update_skipped: 1``), and
+  :data:`NONFINITE_WINDOW` such steps in a row stop the run as failed. Its divergence rule is not run here
+  (no update size is measured): the plugin's pre-flight says so.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +45,10 @@ from soup_plugin_mlx.steps import dropout_seed, pad_batch, row_loss_sums, step_l
 
 #: what to do after a save failed (disk full, no permission)
 _AFTER_FAILED_SAVE = "free space or fix the permissions, then resume: --resume latest"
+#: consecutive non-finite steps (each skipped) before the run stops: the transformers backend's watchdog's
+NONFINITE_WINDOW = 5
+#: Test seam, as the transformers backend reads it: steps whose loss is made NaN (``"3,7"``, or ``"all"``).
+INJECT_ENV = "SOUP_TEST_NONFINITE_STEPS"
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -76,6 +86,11 @@ class MLXRun:
         self.compile = compile
         self.say = ctx.report if ctx.rank == 0 else (lambda message: None)
         self.stop_reason: str | None = None
+        self.stop_failed = False  # stopped because the run went wrong (the watchdog): exit 1
+        self.watchdog = getattr(ctx.config.training, "watchdog", None) is not False
+        self.nonfinite_steps: list[int] = []  # the current run of consecutive skipped steps
+        raw = os.environ.get(INJECT_ENV, "")
+        self.inject: set[int] | str = "all" if raw == "all" else {int(v) for v in raw.split(",") if v.strip()}
         self.rollbacks: list[str] = []
         self._saved_step: int | None = None  # the step of the last checkpoint this run saved
         self.global_step = 0
@@ -153,6 +168,7 @@ class MLXRun:
         as the graphs' state."""
         model, optimizer = self.model, self.optimizer
         value_and_grad = nn.value_and_grad(model, step_loss)
+        guard = self.watchdog
 
         def micro(inputs: mx.array, targets: mx.array, n_items: mx.array, acc: Any) -> Any:
             (loss, sums, counts), grads = value_and_grad(model, inputs, targets, n_items)
@@ -162,13 +178,20 @@ class MLXRun:
             return loss, sums, counts, flat
 
         def update(
-            grads: dict[str, mx.array], lr: mx.array, step_size: mx.array, bc2_sqrt: mx.array
+            grads: dict[str, mx.array], lr: mx.array, step_size: mx.array, bc2_sqrt: mx.array, loss: mx.array
         ) -> mx.array:
             grads, norm = clip_by_global_norm(grads, max_norm)
             params = dict(tree_flatten(model.trainable_parameters()))
-            model.update(
-                tree_unflatten(list(optimizer.apply(params, grads, lr, step_size, bc2_sqrt).items()))
-            )
+            moments = {kind: dict(values) for kind, values in optimizer.state.items()}
+            new = optimizer.apply(params, grads, lr, step_size, bc2_sqrt)
+            if guard:  # in the graph, not a host round trip: a non-finite step keeps the old values
+                ok = mx.logical_and(mx.isfinite(norm), mx.isfinite(loss))
+                new = {k: mx.where(ok, v, params[k]) for k, v in new.items()}
+                for kind, old in moments.items():
+                    state = optimizer.state[kind]
+                    for k in state:
+                        state[k] = mx.where(ok, state[k], old[k])
+            model.update(tree_unflatten(list(new.items())))
             return norm
 
         if self.compile:
@@ -215,6 +238,7 @@ class MLXRun:
         return {
             "status": status,
             "stop_reason": self.stop_reason,
+            "stop_failed": self.stop_failed,
             "steps": self.global_step,
             "final_loss": self.last_metrics.get("loss"),
             "train_loss": sum(self.step_losses) / len(self.step_losses) if self.step_losses else None,
@@ -274,19 +298,23 @@ class MLXRun:
             total_steps=self.plan.total_steps,
             warmup_steps=self.plan.warmup_steps,
         )
+        if self.inject == "all" or step in self.inject:
+            n_items = mx.array(math.nan)  # the test seam: this step's loss is NaN
         grads: Any = None
         outputs = []
         norm = None
+        step_loss_sum: Any = None
         for micro, batch in enumerate(examples):
             inputs, targets, tokens = pad_batch(batch, self.pad_id)
             mx.random.seed(dropout_seed(int(t.seed), step, micro))
             loss, sums, counts, grads = self.micro(inputs, targets, n_items, grads)
+            step_loss_sum = loss if step_loss_sum is None else step_loss_sum + loss
             self.tokens_seen += tokens
             outputs.append((loss, sums, counts))
             if micro + 1 < len(examples):
                 mx.eval(loss, sums, counts, grads)  # one micro-batch's graph at a time, as mlx-lm does
             else:  # the last one: the update joins the same evaluation
-                norm = self.update(grads, *self.optimizer.scalars(lr))
+                norm = self.update(grads, *self.optimizer.scalars(lr), step_loss_sum)
                 mx.eval(loss, sums, counts, norm, self.model.trainable_parameters(), self.optimizer.state)
         loss_total = 0.0
         for micro, (rows, (loss, sums, counts)) in enumerate(zip(group, outputs, strict=True)):
@@ -309,7 +337,11 @@ class MLXRun:
         self.train_seconds += time.perf_counter() - started
         self.global_step = step
         metrics = {"loss": loss_total, "learning_rate": lr, "grad_norm": norm.item()}
-        self.step_losses.append(loss_total)
+        if self.watchdog and not (math.isfinite(loss_total) and math.isfinite(metrics["grad_norm"])):
+            self._skipped(step, metrics)
+        else:
+            self.nonfinite_steps.clear()
+            self.step_losses.append(loss_total)
         self.last_metrics = metrics
         # step metrics reach the tracker through its recorder (the OptimizerStep event below)
         if self.progress is not None:
@@ -324,6 +356,24 @@ class MLXRun:
             self._evaluate()
         if t.save_steps and (step % int(t.save_steps) == 0 or last):
             self._save_checkpoint()
+
+    def _skipped(self, step: int, metrics: dict[str, float]) -> None:
+        """The update graph applied nothing at this non-finite step; count it, and stop after a window."""
+        self.optimizer.step -= 1  # like torch's AdamW, whose step count moves only with an update
+        metrics["update_skipped"] = 1.0
+        self.nonfinite_steps.append(step)
+        self.say(f"step {step}: update skipped (watchdog: the loss or gradient is not finite)")
+        if len(self.nonfinite_steps) < NONFINITE_WINDOW:
+            return
+        first, last = self.nonfinite_steps[0], self.nonfinite_steps[-1]
+        lr = float(self.config.training.learning_rate)
+        self._apply(Stop(
+            f"watchdog: the loss or gradient was not finite at {len(self.nonfinite_steps)} steps in a row "
+            f"({first}-{last}, each update skipped). Likely cause: a learning rate too high for this model, "
+            f"or rows that break the loss; lower training.learning_rate (now {lr:g}), or find the rows with "
+            f"soup rewind. The output holds the weights from before step {first}.",
+            failed=True,
+        ))
 
     # ------------------------------------------------------------------------------------- evaluation
 
@@ -352,6 +402,7 @@ class MLXRun:
     def _apply(self, action: Any) -> None:
         if isinstance(action, Stop):
             self.stop_reason = action.reason or "stopped by a controller"
+            self.stop_failed = bool(getattr(action, "failed", False))
             self.say(f"Stopping at step {self.global_step}: {self.stop_reason}")
         elif isinstance(action, SetCoefficient):
             raise MLXBackendError(
