@@ -34,7 +34,7 @@ TMP_PREFIX = ".soup-tmp-"
 
 #: Top-level names (glob patterns) Soup and the engines it drives write into an output folder.
 KNOWN_ARTEFACTS: tuple[str, ...] = (
-    "soup_config.yaml", MANIFEST_NAME, "checkpoint-*", f"{TMP_PREFIX}*",
+    "soup_config.yaml", "soup_data.json", MANIFEST_NAME, "checkpoint-*", f"{TMP_PREFIX}*",
     "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
     "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
     "pytorch_model*.bin", "pytorch_model.bin.index.json", "config.json", "generation_config.json",
@@ -226,8 +226,8 @@ def _mixed(folder: Path, *, overwrite: bool, resuming: bool) -> list[str]:
     """Another run's files in ``folder`` that ``overwrite`` is to remove ([] when there are none, or the run
     resumes from there); raises OutputRefused when they are there and neither holds."""
     found = artefacts(folder)
-    # a run that failed before training wrote only its config and manifest: nothing there to mix with
-    if not set(found) - {"soup_config.yaml", MANIFEST_NAME} or (resuming and not overwrite):
+    # a run that failed before training wrote only its config, data record and manifest: nothing to mix with
+    if not set(found) - {"soup_config.yaml", "soup_data.json", MANIFEST_NAME} or (resuming and not overwrite):
         return []
     if overwrite:
         return found

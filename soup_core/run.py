@@ -8,6 +8,7 @@ inside :func:`soup_core.tracker.tracked_run`, so every exit path ends the row.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ class Plan:
     lines: list[str] = field(default_factory=list)
     preflight: list[tuple[str, Any]] = field(default_factory=list)  # (plugin, PreflightReport)
     finished: str = ""  # set when the checkpoint resumed from already trained all the config asks
+    data_since: int = 0  # the step after which this run's data record vouches for its checkpoints
 
 
 def output_dir_for(config: Any) -> Path:
@@ -79,7 +81,27 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
         plan.data[attr] = training
         plan.lines.append(f"data.{attr}: {summarize(training)}")
     _refuse_other_files(plan)
+    _refuse_changed_data(plan, task_cls.data_keys[0].split(".", 1)[1] if task_cls.data_keys else "train")
     return plan
+
+
+def _refuse_changed_data(plan: Plan, key: str) -> None:
+    """A resumed run continues the checkpoint's row order, row indices and epoch: refuse other rows than those
+    it was trained on (its run's data record), before anything trains."""
+    from soup_core.checkpoints import changed_data
+
+    resume, training = plan.config.training.resume_from, plan.data.get(key)
+    if not resume or plan.finished or training is None:
+        return
+    change, plan.data_since = changed_data(Path(resume), training, plan.base_dir)
+    if change == "":
+        plan.lines.append(f"{resume}: no data fingerprint is recorded for it (a run of an older Soup, or a checkpoint "
+                          "moved out of its output folder), so the data could not be checked against its rows")
+    elif change:
+        raise RunRefused(f"training.resume_from: {resume} was trained on other rows: {change}; the resumed steps "
+                         f"would continue its row order, row indices and epoch over another data set. Restore the "
+                         "data it was trained on, or start a new run: without --resume, into another output "
+                         "folder (--output) or with --overwrite")
 
 
 def _refuse_other_files(plan: Plan) -> None:
@@ -224,6 +246,11 @@ def execute(
 
         # the task's first data key is its training list: the rows the run events index
         first_key = task.data_keys[0].split(".", 1)[1] if task.data_keys else "train"
+        if rank == 0 and plan.data.get(first_key) is not None:  # what resuming a checkpoint of it checks
+            from soup_core.checkpoints import DATA_RECORD, data_record
+
+            record = data_record(plan.data[first_key], plan.base_dir, plan.data_since)
+            atomic_write(plan.output_dir / DATA_RECORD, json.dumps(record, indent=1))
         context = RunContext(
             config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get(first_key),
             task=task, events=events, load_model=load_model, log_metrics=log_metrics, rank=rank,

@@ -223,4 +223,5 @@ def cached_training_list(
                for (raw, _, weight), (fmt, rows, detected) in zip(entries, facts["files"], strict=True)],
     )
     training.val_fingerprint = facts["val_fingerprint"]  # type: ignore[attr-defined]
+    training.digests = [digest for _, _, digest, _ in files]  # type: ignore[attr-defined]  # each file's SHA-256
     return training
