@@ -17,7 +17,7 @@ from soup_core.testing import isolated_plugins, write_jsonl, write_yaml
 
 pytest_plugins = ["soup_core.testing"]
 
-HEAVY = ("bitsandbytes", "peft", "trl", "datasets", "torch")
+HEAVY = ("bitsandbytes", "peft", "trl", "datasets", "torch", "scipy")
 
 # runs soup train in this fresh interpreter and prints which of HEAVY it imported
 _TRAIN_AND_REPORT = f"""
@@ -51,6 +51,7 @@ def _config(tmp_path: Path, tiny_model: Path, name: str, **training: object) -> 
 def test_a_run_without_quantisation_never_imports_bitsandbytes(tmp_path, tiny_model, soup_home) -> None:
     plain = _train_and_report(_config(tmp_path, tiny_model, "plain"), dry=False)
     assert plain["code"] == 0 and "peft" in plain["modules"] and "bitsandbytes" not in plain["modules"]
+    assert "scipy" not in plain["modules"]  # (control: test_scipy_is_imported_by_transformers_unless_blocked)
     # control: the same run on a 4-bit base uses bitsandbytes, so imports it
     quantised = _train_and_report(_config(tmp_path, tiny_model, "nf4", quantization="4bit",
                                           bnb_4bit_use_double_quant=False), dry=False)
@@ -171,6 +172,61 @@ def test_a_quantised_run_after_a_blocked_one_in_one_process_finds_bitsandbytes()
 
     out = subprocess.run([sys.executable, "-c", _BLOCK_THEN_USE], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["OK", "True"], out.stderr[-3000:]
+
+
+_SCIPY_BLOCKED_OR_NOT = """
+import sys
+from soup_core.default_plugins.transformers.imports import without
+if sys.argv[1] == "block":
+    import transformers.utils.import_utils as iu
+    assert iu.is_scipy_available() is True  # answered before the block: the block must make it forget
+    with without("scipy"):
+        import transformers.modeling_utils
+        inside = sys.modules.get("scipy") is not None
+    after = iu.is_scipy_available()
+else:
+    import transformers.modeling_utils
+    inside = after = sys.modules.get("scipy") is not None
+print("SCIPY", inside, after)
+"""
+
+
+@pytest.mark.parametrize(("how", "seen"), [("block", ["False", "True"]), ("plain", ["True", "True"])])
+def test_scipy_is_imported_by_transformers_unless_blocked(how, seen) -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _SCIPY_BLOCKED_OR_NOT, how], capture_output=True, text=True,
+                         timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("SCIPY ")]
+    assert line and line[0].split()[1:] == seen, out.stderr[-3000:]
+
+
+def test_few_collections_collects_the_oldest_generation_rarely_then_as_before() -> None:
+    import gc
+
+    from soup_core.default_plugins.transformers.imports import few_collections
+
+    def full_collections() -> int:
+        seen: list[int] = []
+
+        def count(phase: str, info: dict) -> None:
+            if phase == "start" and info["generation"] == 2:
+                seen.append(1)
+
+        gc.callbacks.append(count)
+        try:
+            keep = [[i] for i in range(300_000)]  # long-lived containers, as imports make
+        finally:
+            gc.callbacks.remove(count)
+        del keep
+        return len(seen)
+
+    before = gc.get_threshold()
+    with few_collections():
+        assert gc.get_threshold()[0] >= 20_000
+        rare = full_collections()
+    assert gc.get_threshold() == before
+    assert rare == 0 and full_collections() > 0  # control: at the thresholds restored, some full collections
 
 
 # ------------------------------------------------------------------------------------ the probe cache

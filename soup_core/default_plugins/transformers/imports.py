@@ -8,6 +8,10 @@ how Python spells "not importable": ``import`` raises ``ImportError``, ``find_sp
 run without quantisation trains (and while the deep probe imports trl), ``sys.modules["bitsandbytes"]`` is
 None; afterwards the entry goes and the libraries' availability caches are cleared, so a quantised run later
 in the same process finds bitsandbytes as if nothing had happened.
+
+scipy likewise: transformers' model module imports its object-detection losses, which import
+``scipy.optimize`` (about half a second) when scipy is installed; no causal language model uses them, and
+nothing else in a run imports scipy.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from collections.abc import Iterator
 from typing import Any
 
 BITSANDBYTES = "bitsandbytes"
+SCIPY = "scipy"
 
 #: the libraries' cached answers to "is bitsandbytes installed?" (module, function with ``cache_clear``)
 _CACHED_CHECKS = (
     ("peft.import_utils", "is_bnb_available"),
     ("peft.import_utils", "is_bnb_4bit_available"),
     ("transformers.utils.import_utils", "is_bitsandbytes_available"),
+    ("transformers.utils.import_utils", "is_scipy_available"),
 )
 
 
@@ -35,6 +41,8 @@ def without(*modules: str) -> Iterator[tuple[str, ...]]:
     before = set(sys.modules)
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]
+    if blocked:  # an answer cached before the block ("installed") would make the import inside it fail
+        _forget_answers((), before)
     try:
         yield blocked
     finally:
@@ -57,7 +65,24 @@ def _forget_answers(blocked: tuple[str, ...], before: set[str]) -> None:
             check.cache_clear()
 
 
+@contextlib.contextmanager
+def few_collections(young: int = 20_000) -> Iterator[None]:
+    """Collect cyclic garbage rarely while a run is set up. Importing torch, transformers, peft and trl
+    creates millions of objects that live as long as the process; at the default thresholds (a collection
+    every 700 allocations, a full one every hundred) the collector walks them over and over, about a fifth
+    of the imports' CPU time. Young objects are still collected, every ``young`` allocations; the thresholds
+    come back afterwards, so training collects as it always did."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(max(young, before[0]), max(50, before[1]), max(100, before[2]))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 def unused_by(config: Any) -> tuple[str, ...]:
     """The optional libraries a transformers run of ``config`` does not use."""
     quantization = getattr(getattr(config, "training", None), "quantization", None)
-    return (BITSANDBYTES,) if quantization in (None, "none") else ()
+    return (BITSANDBYTES, SCIPY) if quantization in (None, "none") else (SCIPY,)
