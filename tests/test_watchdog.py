@@ -357,14 +357,16 @@ def test_a_task_that_declares_its_metric_is_stopped_by_it(run_training, quicksta
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("limit", [512 << 20, 0])
+@pytest.mark.parametrize("limit, nan_after", [(512 << 20, False), (0, False), (0, True)])
 def test_a_divergence_stop_saves_the_adapter_from_before_the_first_bad_update(
-    run_training, quickstart_data, monkeypatch, limit, soup_home, torch_one_thread
+    run_training, quickstart_data, monkeypatch, limit, nan_after, soup_home, torch_one_thread
 ):
     """Step 12's update alone runs at learning rate 1e6 (the others at 5e-3): the run is stopped, and the
     saved adapter is exactly the weights before step 12's update; with the weights forced over
     SNAPSHOT_LIMIT_BYTES (copied per window of 8 updates), those before the window holding it (step 9's).
-    Controls: the weights at the stop, and (forced over) those right before step 12, differ from it."""
+    Controls: the weights at the stop, and (forced over) those right before step 12, differ from it.
+    ``nan_after``: every step after 12 is made non-finite, so the run stops by the non-finite rule before
+    the window is measured at its end: the stop measures it, and still saves step 9's weights."""
     from safetensors.torch import load_file
 
     from soup_core.default_plugins.transformers import gate as gate_mod
@@ -384,9 +386,14 @@ def test_a_divergence_stop_saves_the_adapter_from_before_the_first_bad_update(
                 group["lr"] = 1e6  # the scheduler sets it back after this update
 
     monkeypatch.setattr(gate_mod.UpdateGate, "before_update", before_update)
+    if nan_after:
+        monkeypatch.setenv("SOUP_TEST_NONFINITE_STEPS", ",".join(str(s) for s in range(13, 41)))
     with pytest.raises(TrainingFailed) as caught:
         run_training(_config(quickstart_data, max_steps=40, lora={"r": 8}))
     assert caught.value.exit_code == 1 and "training.learning_rate" in caught.value.message
+    assert ("not finite at 5 steps in a row (13-17" in caught.value.message) == nan_after
+    assert caught.value.message.endswith(f"The output holds the weights from before step {12 if limit else 9}'s "
+                                         "update" + (", where the updates had blown up already." if nan_after else "."))
     stop = max(captured)
     kept = 12 if limit else 9
     assert f"saved weights: those from before step {kept}'s update" in caught.value.output

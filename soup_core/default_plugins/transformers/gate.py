@@ -191,11 +191,12 @@ class UpdateGate:
                 self.excluded.update(int(r) for r in action.rows)
             elif isinstance(action, Stop):
                 veto = True
-                trainer._soup_apply(action)
                 if action.failed:
                     self._window_blew_up(step)  # a stop inside a window: did the window's updates blow up?
-                    if self.kept is not None:
-                        self._restore(self.kept)
+                    action = self._saving(action)
+                trainer._soup_apply(action)
+                if action.failed and self.kept is not None:
+                    self._restore(self.kept)
             else:  # a rollback or a coefficient change now would meet gradients taken before it
                 from soup_core.default_plugins.transformers.loading import BackendError
 
@@ -291,6 +292,15 @@ class UpdateGate:
                 dist.all_reduce(total)
         change, size = total.sqrt().tolist()
         return change / size if size > 0 else math.inf
+
+    def _saving(self, stop: Stop) -> Stop:
+        """A failed stop's reason, saying which weights the output holds when a blow-up came before it (a
+        non-finite rule's stop names its own first step, whose weights are not those saved then)."""
+        if self.kept is None or f"before step {self.kept_step}'s update" in stop.reason:
+            return stop
+        head = stop.reason.split(" The output holds", 1)[0]
+        return Stop(f"{head} The output holds the weights from before step {self.kept_step}'s update, where "
+                    "the updates had blown up already.", failed=True)
 
     def _restore(self, weights: list[torch.Tensor]) -> None:
         with torch.no_grad():
