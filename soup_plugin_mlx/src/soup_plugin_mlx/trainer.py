@@ -163,9 +163,10 @@ class MLXRun:
 
     def _build_step_functions(self, max_norm: float) -> None:
         """``micro(inputs, targets, n_items, acc)``: one micro-batch's loss, per-row sums and counts, and the
-        gradients added to ``acc``; ``update(grads, lr, step_size, bc2_sqrt)``: clip and AdamW, returning the
-        pre-clip norm. Compiled (as mlx-lm compiles its step) with the weights, moments and random state
-        as the graphs' state."""
+        gradients added to ``acc``; ``update(grads, lr, step_size, bc2_sqrt, loss)``: clip and AdamW,
+        returning the pre-clip norm (with the watchdog on, nothing changes where the norm or the step's
+        ``loss`` is not finite). Compiled (as mlx-lm compiles its step) with the weights, moments and random
+        state as the graphs' state."""
         model, optimizer = self.model, self.optimizer
         value_and_grad = nn.value_and_grad(model, step_loss)
         guard = self.watchdog
