@@ -4,7 +4,8 @@ Which distributions are installed, at which version, and their ``soup`` entry po
 ``importlib.metadata`` finds them (``*.dist-info`` folders on ``sys.path``, the first of a name wins), from
 the folder names the wheel standard fixes (``name-version.dist-info``) and ``entry_points.txt`` (an INI file,
 read by ``configparser``): importing ``importlib.metadata`` and its e-mail parser would cost every ``soup``
-start a third of its time. What only ``METADATA`` holds (requirements, extras) comes from
+start a third of its time. ``Requires-Dist`` lines are read from ``METADATA``'s headers directly (every
+command checks each plugin's soup-core range); what else only ``METADATA`` holds (extras) comes from
 ``importlib.metadata``; version ranges, requirement lines and markers are read by ``packaging``, the code pip
 itself uses. Both are imported only where they are needed, never by ``soup --help``.
 """
@@ -166,10 +167,34 @@ def marker_holds(marker: Any, extra: str = "") -> bool:
     return bool((marker if isinstance(marker, Marker) else Marker(str(marker))).evaluate({"extra": extra}))
 
 
+def requires(dist: Installed) -> list[str]:
+    """The ``Requires-Dist`` lines of ``dist``, as ``importlib.metadata``'s ``requires`` gives them for a
+    ``.dist-info``: its ``METADATA`` headers (up to the first blank line, a folded line joined to the one
+    before), read without the e-mail parser that every plugin's range check would otherwise import."""
+    try:
+        with open(os.path.join(dist.path, "METADATA"), encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError):
+        return list(dist.metadata().requires or ())
+    headers: list[list[str]] = []
+    for line in text.splitlines():
+        if line[:1] in (" ", "\t") and headers:  # folded, even when only blanks are left on it
+            headers[-1][1] += line
+        elif ":" not in line:  # the blank line (or a body with none) after the headers
+            break
+        else:
+            name, _, value = line.partition(":")
+            headers.append([name.strip().lower(), value.strip()])
+    return [value.strip() for name, value in headers if name == "requires-dist"]
+
+
 def declared_range(dist: Installed, project: str) -> str:
     """The version range ``dist`` declares for ``project`` in its plain requirements ("" when none; lines
     under an extra or a marker that does not hold here do not count)."""
-    for line in dist.metadata().requires or ():
+    for line in requires(dist):
+        named = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+        if named and canonical(named.group(1)) != canonical(project):
+            continue  # another project's line: not parsed, so a command that checks ranges imports no packaging
         req = requirement(line)
         if canonical(req.name) == canonical(project) and marker_holds(req.marker):
             return str(req.specifier)

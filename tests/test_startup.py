@@ -323,6 +323,21 @@ def test_a_distribution_that_is_not_installed_costs_no_metadata_scan(tmp_path, m
     assert distributions.version_of("pydantic") is not None
 
 
+def test_requires_dist_is_read_as_importlib_metadata_reads_it(tmp_path) -> None:
+    for dist in distributions.installed().values():  # every installed distribution, scipy's folded licence too
+        assert distributions.requires(dist) == list(dist.metadata().requires or ()), dist.name
+    folder = tmp_path / "made_up-1.0.dist-info"
+    folder.mkdir()
+    (folder / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: made-up\nVersion: 1.0\nLicense: first line\n   \n  after a blank fold\n"
+        "Requires-Dist: soup-core<0.2,>=0.1\nRequires-Dist: Soup_Core>=9; extra == 'x'\n"
+        "Requires-Dist: other[extra]>=1; python_version >= '3'\n\nRequires-Dist: in-the-body\n")
+    made = distributions.Installed("made-up", "1.0", str(folder))
+    assert distributions.requires(made) == list(made.metadata().requires)
+    assert len(distributions.requires(made)) == 3 and distributions.declared_range(made, "soup-core") == "<0.2,>=0.1"
+    assert distributions.declared_range(made, "other") == ">=1" and distributions.declared_range(made, "nope") == ""
+
+
 # ------------------------------------------------------------------------------------ leaving the process
 
 _SOUP_WITH = """
