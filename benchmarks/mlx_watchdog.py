@@ -84,8 +84,8 @@ def main() -> None:
         parser.error("at least 15 pairs")
     # benchmarks/mlx.py would shadow the mlx package
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
     from soup_core import micro_batches
+    from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     sft = _sft_bench()
     with tempfile.TemporaryDirectory(prefix="soup-bench-mlx-watchdog-") as tmp:
