@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -88,62 +89,115 @@ def key_parts(task: Any, training: Any, tokenizer: Any, config: Any) -> dict[str
     }
 
 
+def _int_lists(values: list[Any], pa: Any) -> Any:
+    """``list<int32>`` Arrow array of lists of ints, built from numpy buffers: ``pa.array`` on Python lists
+    (or on numpy arrays) imports pandas, half a second a process."""
+    import numpy as np
+
+    offsets = np.zeros(len(values) + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=len(values)), out=offsets[1:])
+    flat = np.fromiter(chain.from_iterable(values), dtype=np.int32, count=int(offsets[-1]))
+    items = pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)])
+    return pa.Array.from_buffers(pa.list_(pa.int32()), len(values), [None, pa.py_buffer(offsets)], children=[items])
+
+
+def _column(name: str, values: list[Any], pa: Any) -> Any:
+    if name in ("input_ids", "labels") and all(type(v) is list for v in values):
+        return _int_lists(values, pa)
+    if name == "row_index":
+        import numpy as np
+
+        return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(np.array(values, dtype=np.int64))])
+    array_ = pa.array(values)  # another task's own column
+    return array_.cast(pa.list_(pa.int32())) if name in ("input_ids", "labels") else array_
+
+
+def _encode_chunk(rows: Any, start: int, stop: int, encode: Callable[[list[Any]], list[dict[str, Any]]],
+                  used: Any = None) -> tuple[Any, dict[str, Any]]:
+    """Rows ``start..stop-1`` encoded: an Arrow record batch (columns in the order of the first row's keys) and
+    the part's facts (lengths, rows without a supervised token, whether rows carry labels). With ``used`` (a
+    set of row indices) only those rows are encoded; every other row is a placeholder with no tokens, which
+    the collator refuses."""
+    import pyarrow as pa
+
+    if used is None:
+        chunk = rows[start:stop]
+    else:
+        picked = [i for i in range(start, stop) if i in used]
+        chunk = [rows[i] for i in picked] if len(picked) < (stop - start) // 4 else rows[start:stop]
+        if len(chunk) != len(picked):
+            chunk = [chunk[i - start] for i in picked]
+    try:
+        encoded = encode(chunk) if chunk else []
+    except ValueError as exc:  # the task numbers rows within the chunk: name the training row
+        row, detail = getattr(exc, "row", None), getattr(exc, "detail", "")
+        if isinstance(row, int) and detail and hasattr(exc, "with_row"):
+            error = type(exc)(f"training row {start + row}: {detail}").with_row(start + row)
+            error.detail = detail
+            raise error from exc
+        raise
+    if len(encoded) != len(chunk):
+        raise RuntimeError(f"the task's encode returned {len(encoded)} rows for {len(chunk)}")
+    facts: dict[str, Any] = {"lengths": array("l"), "empty": [], "has_labels": False}
+    for example in encoded:
+        example["row_index"] = int(example["row_index"]) + start if used is None else \
+            picked[int(example["row_index"])]
+        facts["lengths"].append(len(example["input_ids"]))
+        labels = example.get("labels")
+        if labels is not None:
+            facts["has_labels"] = True
+            if labels.count(IGNORE) == len(labels):
+                facts["empty"].append(example["row_index"])
+    if used is not None:  # placeholders keep every row at its index
+        by_row = {e["row_index"]: e for e in encoded}
+        encoded = [by_row.get(i) or {"input_ids": [], "labels": [], "row_index": i} for i in range(start, stop)]
+    if hasattr(rows, "release"):  # memory-mapped rows: drop the pages of the chunk just encoded
+        rows.release()
+    names = list(encoded[0]) if encoded else []
+    columns = [_column(name, [e.get(name) for e in encoded], pa) for name in names]
+    return pa.RecordBatch.from_arrays(columns, names=names), facts
+
+
+class _Stream:
+    """Record batches into one Arrow stream file; the schema is the first batch's, ids and labels ``int32``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.writer, self.schema = path, None, None
+        self.facts: dict[str, Any] = {"lengths": array("l"), "empty": [], "has_labels": False}
+
+    def add(self, batch: Any, facts: Mapping[str, Any]) -> None:
+        import pyarrow as pa
+
+        if self.writer is None:
+            fields = [pa.field(f.name, pa.list_(pa.int32())) if f.name in ("input_ids", "labels") else f
+                      for f in batch.schema]
+            self.schema = pa.schema(fields)
+            self.writer = pa.ipc.new_stream(str(self.path), self.schema)
+        if batch.schema != self.schema:
+            batch = pa.Table.from_batches([batch]).select(self.schema.names).cast(self.schema)
+        self.writer.write(batch)
+        self.facts["lengths"].extend(facts["lengths"])
+        self.facts["empty"].extend(facts["empty"])
+        self.facts["has_labels"] = self.facts["has_labels"] or facts["has_labels"]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def _write(path: Path, rows: Any, lo: int, hi: int, encode: Callable[[list[Any]], list[dict[str, Any]]],
            progress: Callable[[int], None], used: Any = None) -> dict[str, Any]:
     """Encode rows ``lo..hi-1`` a chunk at a time into an Arrow stream file; returns their lengths, the rows
-    left without a supervised token and whether rows carry labels. With ``used`` (a set of row indices) only
-    those rows are encoded; every other row is a placeholder with no tokens, which the collator refuses."""
-    import pyarrow as pa
-
-    writer, schema = None, None
-    lengths, empty, has_labels = array("l"), [], False
+    left without a supervised token and whether rows carry labels (see :func:`_encode_chunk`)."""
+    stream = _Stream(path)
     try:
         for start in range(lo, hi, CHUNK):
             stop = min(start + CHUNK, hi)
-            if used is None:
-                chunk = rows[start:stop]
-            else:
-                picked = [i for i in range(start, stop) if i in used]
-                chunk = [rows[i] for i in picked] if len(picked) < (stop - start) // 4 else rows[start:stop]
-                if len(chunk) != len(picked):
-                    chunk = [chunk[i - start] for i in picked]
-            try:
-                encoded = encode(chunk) if chunk else []
-            except ValueError as exc:  # the task numbers rows within the chunk: name the training row
-                row, detail = getattr(exc, "row", None), getattr(exc, "detail", "")
-                if isinstance(row, int) and detail and hasattr(exc, "with_row"):
-                    error = type(exc)(f"training row {start + row}: {detail}").with_row(start + row)
-                    error.detail = detail
-                    raise error from exc
-                raise
-            if len(encoded) != len(chunk):
-                raise RuntimeError(f"the task's encode returned {len(encoded)} rows for {len(chunk)}")
-            for example in encoded:
-                example["row_index"] = int(example["row_index"]) + start if used is None else \
-                    picked[int(example["row_index"])]
-                lengths.append(len(example["input_ids"]))
-                labels = example.get("labels")
-                if labels is not None:
-                    has_labels = True
-                    if labels.count(IGNORE) == len(labels):
-                        empty.append(example["row_index"])
-            if used is not None:  # placeholders keep every row at its index
-                by_row = {e["row_index"]: e for e in encoded}
-                encoded = [by_row.get(i) or {"input_ids": [], "labels": [], "row_index": i} for i in range(start, stop)]
-            table = pa.Table.from_pylist(encoded)
-            if schema is None:
-                fields = [pa.field(f.name, pa.list_(pa.int32())) if f.name in ("input_ids", "labels") else f
-                          for f in table.schema]
-                schema = pa.schema(fields)
-                writer = pa.ipc.new_stream(str(path), schema)
-            writer.write_table(table.select(schema.names).cast(schema))
-            if hasattr(rows, "release"):  # memory-mapped rows: drop the pages of the chunk just encoded
-                rows.release()
+            stream.add(*_encode_chunk(rows, start, stop, encode, used))
             progress(stop - lo)
     finally:
-        if writer is not None:
-            writer.close()
-    return {"lengths": lengths, "empty": empty, "has_labels": has_labels}
+        stream.close()
+    return stream.facts
 
 
 def _summary(parts: list[dict[str, Any]], n_files: int, max_length: int) -> dict[str, Any]:
@@ -186,17 +240,16 @@ def rows_used(config: Any, n_rows: int, world_size: int = 1, spans: Any = None) 
 _JOB: dict[str, Any] = {}
 
 
-def _work(part: tuple[int, int, int]) -> dict[str, Any]:
-    index, lo, hi = part
-    done = _JOB["done"]
+def _start_worker() -> None:
+    import os
 
-    def progress(n: int, last: list[int] = [0]) -> None:  # noqa: B006 - one counter per worker process
-        with done.get_lock():
-            done.value += n - last[0]
-        last[0] = n
+    # one worker per core already: the fast tokenizer's own threads in each would only oversubscribe the cores
+    # (a user's explicit TOKENIZERS_PARALLELISM is kept)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    return _write(_JOB["folder"] / f"train-{index}.arrow", _JOB["rows"], lo, hi, _JOB["encode"], progress,
-                  _JOB["used"])
+
+def _work(part: tuple[int, int]) -> tuple[Any, dict[str, Any]]:
+    return _encode_chunk(_JOB["rows"], part[0], part[1], _JOB["encode"], _JOB["used"])
 
 
 def _workers(n_rows: int) -> int:
@@ -216,6 +269,9 @@ def _workers(n_rows: int) -> int:
 
 def _encode_train(folder: Path, rows: Any, encode: Callable[[list[Any]], list[dict[str, Any]]],
                   progress: Callable[[int], None], max_length: int, used: Any = None) -> dict[str, Any]:
+    """The training rows into ``train-0.arrow``. With several workers each takes the next chunk when it is done
+    with one (a worker slowed by other load holds up one chunk, not a fixed share of the rows); the parent
+    writes their batches in row order."""
     n_rows = len(rows)
     workers = _workers(n_rows if used is None else len(used))
     if workers == 1:
@@ -223,20 +279,19 @@ def _encode_train(folder: Path, rows: Any, encode: Callable[[list[Any]], list[di
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    size = -(-n_rows // workers)
-    parts = [(k, k * size, min(n_rows, (k + 1) * size)) for k in range(workers)]
-    _JOB.update(folder=folder, rows=rows, encode=encode, done=context.Value("q", 0), used=used)
+    step = max(1, CHUNK // 4)  # small parts: the last one, which may run alone, is short
+    parts = [(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
+    _JOB.update(rows=rows, encode=encode, used=used)
+    stream = _Stream(folder / "train-0.arrow")
     try:
-        with context.Pool(workers) as pool:
-            pending = pool.map_async(_work, parts)
-            while not pending.ready():
-                pending.wait(0.5)
-                progress(_JOB["done"].value)
-            results = pending.get()
+        with context.Pool(workers, initializer=_start_worker) as pool:
+            for (_, stop), (batch, facts) in zip(parts, pool.imap(_work, parts), strict=True):
+                stream.add(batch, facts)
+                progress(stop)
     finally:
+        stream.close()
         _JOB.clear()
-    progress(n_rows)
-    return _summary(results, workers, max_length)
+    return {**_summary([stream.facts], 1, max_length), "workers": workers}
 
 
 def prepare_encoded(task: Any, training: Any, tokenizer: Any, config: Any, *,
