@@ -229,6 +229,31 @@ def test_few_collections_collects_the_oldest_generation_rarely_then_as_before() 
     assert rare == 0 and full_collections() > 0  # control: at the thresholds restored, some full collections
 
 
+def test_known_packages_answers_packages_distributions_once_per_installation(tmp_path, soup_home,
+                                                                             monkeypatch) -> None:
+    import importlib.metadata as metadata
+
+    from soup_core.default_plugins.transformers.imports import known_packages
+
+    truth = metadata.packages_distributions()
+    calls: list[int] = []
+    real = metadata.packages_distributions
+    monkeypatch.setattr(metadata, "packages_distributions", lambda: calls.append(1) or real())
+    spy = metadata.packages_distributions
+    for _ in range(2):
+        with known_packages():
+            assert metadata.packages_distributions() == truth
+        assert metadata.packages_distributions is spy  # given back after the block
+    assert len(calls) == 1 and (soup_home / "cache" / "packages.json").is_file()
+    # control: a folder of sys.path changed (an install would): asked again
+    extra = tmp_path / "site"
+    extra.mkdir()
+    monkeypatch.syspath_prepend(str(extra))
+    with known_packages():
+        assert metadata.packages_distributions() == truth
+    assert len(calls) == 2
+
+
 # ------------------------------------------------------------------------------------ the probe cache
 
 

@@ -273,9 +273,14 @@ class TransformersBackend(Backend):
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run (see :class:`PreparedRun`); returns its summary."""
-        from soup_core.default_plugins.transformers.imports import few_collections, unused_by, without
+        from soup_core.default_plugins.transformers.imports import (
+            few_collections,
+            known_packages,
+            unused_by,
+            without,
+        )
 
         with without(*unused_by(context.config)):
-            with few_collections():  # imports, loading the model, building the trainer
+            with few_collections(), known_packages():  # imports, loading the model, building the trainer
                 prepared = self.prepare(context)
             return prepared.run()

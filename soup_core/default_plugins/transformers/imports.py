@@ -82,6 +82,44 @@ def few_collections(young: int = 20_000) -> Iterator[None]:
         gc.set_threshold(*before)
 
 
+@contextlib.contextmanager
+def known_packages() -> Iterator[None]:
+    """trl calls ``importlib.metadata.packages_distributions()`` when it is imported, which reads the file
+    list of every installed distribution (a quarter of a second). Inside the block that call is answered
+    from ``$SOUP_HOME/cache/packages.json``, kept for this installation: every distribution at its version
+    and place, and each folder of ``sys.path`` unchanged since (an install or an uninstall touches it)."""
+    import importlib.metadata as metadata
+    import json
+    import os
+
+    from soup_core.io import atomic_write, read_json_object
+    from soup_core.probes import installation_key
+    from soup_core.tracker.store import soup_home
+
+    real = metadata.packages_distributions
+
+    def kept() -> dict[str, list[str]]:
+        stamps = []
+        for entry in sys.path:
+            with contextlib.suppress(OSError):
+                stamps.append([entry, os.stat(entry or ".").st_mtime_ns])
+        key = [installation_key(), stamps]
+        path = soup_home() / "cache" / "packages.json"
+        cached = read_json_object(path) or {}
+        if cached.get("key") == key and isinstance(cached.get("packages"), dict):
+            return {name: list(dists) for name, dists in cached["packages"].items()}
+        answer = real()
+        with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next run time
+            atomic_write(path, json.dumps({"key": key, "packages": answer}))
+        return answer
+
+    metadata.packages_distributions = kept  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        metadata.packages_distributions = real  # type: ignore[assignment]
+
+
 def unused_by(config: Any) -> tuple[str, ...]:
     """The optional libraries a transformers run of ``config`` does not use."""
     quantization = getattr(getattr(config, "training", None), "quantization", None)

@@ -43,9 +43,10 @@ def _stack_installed() -> ProbeResult:
 
 def _trl_seams() -> ProbeResult:
     """Deep: the trl/transformers objects this backend extends still have the seams it uses."""
-    from soup_core.default_plugins.transformers.imports import BITSANDBYTES, SCIPY, without
+    from soup_core.default_plugins.transformers.imports import BITSANDBYTES, SCIPY, known_packages, without
 
-    with without(BITSANDBYTES, SCIPY):  # the seams are trl's and transformers'; peft would import bitsandbytes
+    # the seams are trl's and transformers'; peft would import bitsandbytes
+    with without(BITSANDBYTES, SCIPY), known_packages():
         from transformers import Trainer
         from trl import SFTConfig, SFTTrainer
 
