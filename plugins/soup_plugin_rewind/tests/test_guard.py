@@ -1,4 +1,4 @@
-"""The spike guard (training.spike_guard): on two different poisoned rows, quarantine excludes that row and
+"""The spike guard (training.spike_guard): on three different poisoned rows, quarantine excludes that row and
 no other, at or before the first step at which the unguarded run's rewind names it, and the final weights
 fit the other rows as well (within 5%) as a run without the row; skip vetoes the spiking updates only; the
 online rule flags exactly the steps rewind's reading of the log does; and the support table refuses the
@@ -16,7 +16,7 @@ import pytest
 
 from soup_core import hookimpl
 from soup_core.testing import write_jsonl
-from soup_plugin_rewind.analysis import ADVICE_SHARE, SpikeRule, find_spikes, log_spikes, rank_rows
+from soup_plugin_rewind.analysis import ADVICE_SHARE, MIN_HISTORY, SpikeRule, find_spikes, log_spikes, rank_rows
 from soup_plugin_rewind.logfile import read_log
 
 pytest_plugins = ["soup_core.testing"]
@@ -37,11 +37,20 @@ def test_the_online_rule_flags_exactly_what_find_spikes_flags():
 
 
 def _poisoned(kind: str) -> tuple[list[dict[str, Any]], int]:
+    """The quickstart's rows with one poisoned row: its own garbage (row 17), a long babble of made-up
+    words (row 40) or a long run of capitals and brackets ("shouting", row 30)."""
     from soup_core.default_plugins.commands.quickstart import POISONED_ROW, synthetic_rows
 
     if kind == "quickstart":
         return synthetic_rows(), POISONED_ROW
     rows = synthetic_rows(poisoned_row=-1)  # clean; then a different poison at another place
+    if kind == "babble":
+        rng = random.Random(11)
+        words = " ".join("".join(rng.choice("bcdfghlmnprstvz") + rng.choice("aeiou") for _ in range(3))
+                         for _ in range(150))
+        rows[40] = {"messages": [{"role": "user", "content": "Say something."},
+                                 {"role": "assistant", "content": words}]}
+        return rows, 40
     rng = random.Random(7)
     shouting = "".join(rng.choice("ABCDEFGHIJKLMNOPRSTUVWYZ[]{}<>|") for _ in range(600))
     rows[30] = {"messages": [{"role": "user", "content": "Shout the password."},
@@ -49,13 +58,35 @@ def _poisoned(kind: str) -> tuple[list[dict[str, Any]], int]:
     return rows, 30
 
 
-def _config(data: Path, guard: str) -> dict[str, Any]:
-    return {
+def _config(data: Path, guard: str, base: Path | None = None, **training: Any) -> dict[str, Any]:
+    # lr 2e-3 decaying linearly: here skipping any one update of the run without the row moves the others'
+    # final loss by at most 3.5% (measured at 5 steps), so 5% can tell a guarded run from an unguarded one
+    # (+9-10%); at a constant 5e-3 one skipped update alone moved it by up to 23%
+    config: dict[str, Any] = {
         "task": "sft",
         "data": {"train": str(data), "format": "chat", "val_split": 0.0, "max_length": 256},
-        "training": {"epochs": 8, "learning_rate": 5e-3, "batch_size": 4, "scheduler": "constant",
-                     "dtype": "float32", "lora": {"r": 0}, "seed": 0, "spike_guard": guard},
+        "training": {"epochs": 12, "learning_rate": 2e-3, "batch_size": 4, "scheduler": "linear",
+                     "dtype": "float32", "lora": {"r": 0}, "seed": 0, "spike_guard": guard, **training},
     }
+    if base is not None:
+        config["base"] = str(base)
+    return config
+
+
+_WARM: dict[str, Path] = {}
+
+
+def _warm_base(run_training: Any, tmp_path_factory: Any) -> Path:
+    """The tiny model after 4 epochs on other rows of the same task (the quickstart's generator, another
+    seed): a base that knows the task already, as a real fine-tune's does. From the random model the clean
+    rows' loss stays as high as a poison's for two epochs, so no step is a spike by rewind's rule before a
+    poisoned row's third sighting, and it has trained twice by then. Built once per session."""
+    if "base" not in _WARM:
+        from soup_core.default_plugins.commands.quickstart import synthetic_rows
+
+        data = write_jsonl(tmp_path_factory.mktemp("warm") / "warm.jsonl", synthetic_rows(poisoned_row=-1, seed=1))
+        _WARM["base"] = run_training(_config(data, "off", epochs=4, learning_rate=5e-3)).output_dir
+    return _WARM["base"]
 
 
 class _DropRow:
@@ -97,17 +128,21 @@ def _mean_row_loss(model_dir: Path, rows: list[dict[str, Any]], torch: Any) -> f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("poison", ["quickstart", "shouting"])
-def test_quarantine_takes_the_poisoned_row_and_no_other(run_training, tmp_path, poison, torch_one_thread):
+@pytest.mark.parametrize("poison", ["quickstart", "babble", "shouting"])
+def test_quarantine_takes_the_poisoned_row_and_no_other(run_training, tmp_path, tmp_path_factory, poison,
+                                                        torch_one_thread):
+    base = _warm_base(run_training, tmp_path_factory)
     rows, bad = _poisoned(poison)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
-    plain = run_training(_config(data, "off"))
+    plain = run_training(_config(data, "off", base))
     log = read_log(plain.output_dir / "rewind.jsonl")
     named = [s.step for s in sorted(log_spikes(log), key=lambda s: s.step)
              if (top := rank_rows(log.step_rows(s.step))[0]).row == bad and top.share >= ADVICE_SHARE]
     assert named, "the unguarded run's rewind does not name the poisoned row"
 
-    guarded = run_training(_config(data, "quarantine"))
+    seen = sorted({m.step for m in plain.micro if bad in m.rows})  # the steps that train the row
+
+    guarded = run_training(_config(data, "quarantine", base))
     records = [json.loads(line) for line in (guarded.output_dir / "quarantine.jsonl").read_text().splitlines()]
     assert [(r["row"], r["file"], r["line"]) for r in records] == [(bad, str(data), bad + 1)]
     assert records[0]["step"] <= named[0] and records[0]["share"] >= ADVICE_SHARE
@@ -130,17 +165,22 @@ def test_quarantine_takes_the_poisoned_row_and_no_other(run_training, tmp_path, 
     # "that row removed": the same data and micro-batches with the row taking no part from the first step
     # (a file without it trains other batches, whose final losses differ by ~10% on their own)
     others = [r for i, r in enumerate(rows) if i != bad]
-    clean = run_training(_config(data, "off"), plugins=[("drop-row", _DropRow(bad))])
+    clean = run_training(_config(data, "off", base), plugins=[("drop-row", _DropRow(bad))])
     torch = torch_one_thread
     ours, theirs = _mean_row_loss(guarded.output_dir, others, torch), _mean_row_loss(clean.output_dir, others, torch)
     unguarded = _mean_row_loss(plain.output_dir, others, torch)
     assert unguarded > ours  # the row cost the others something: the comparison is not vacuous
     assert abs(ours - theirs) < abs(unguarded - theirs), (ours, theirs, unguarded)
-    if poison == "quickstart":  # measured: 0.4406 vs 0.4379 (unguarded 0.5449)
-        assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
-    # the second poison lands at 0.487 vs 0.399 (unguarded 0.521), not within 5%: at lr 5e-3 skipping any
-    # one update of the run without the row already moves its final loss by 9-13%, and the row trained for
-    # two epochs before its first spike (docs/config.md, training.spike_guard)
+    if poison == "shouting":
+        # first seen at step 2, after 1 step where the rule needs MIN_HISTORY (3): no spike by rewind's
+        # definition, so it trains once and is quarantined at its second sighting (docs/config.md)
+        assert seen[0] <= MIN_HISTORY and records[0]["step"] == seen[1] == named[0]
+    else:  # caught at its first sighting: it never trained
+        assert records[0]["step"] == seen[0] == named[0]
+    # measured: quickstart 0.3878 vs 0.3921, babble 0.3662 vs 0.3788, shouting 0.3858 vs 0.3851 (unguarded
+    # 0.4304, 0.4145, 0.4199: 9-10% over, the control that the 5% line can fail)
+    assert abs(unguarded - theirs) > 0.05 * theirs, (unguarded, theirs)
+    assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
     assert all(m.row_tokens[m.rows.index(bad)] == 0 for m in clean.micro if bad in m.rows)
 
 
@@ -148,9 +188,7 @@ def test_quarantine_takes_the_poisoned_row_and_no_other(run_training, tmp_path, 
 def test_skip_vetoes_the_spiking_updates_and_quarantines_nothing(run_training, tmp_path):
     rows, bad = _poisoned("quickstart")
     data = write_jsonl(tmp_path / "train.jsonl", rows)
-    config = _config(data, "skip")
-    config["training"]["epochs"] = 4
-    result = run_training(config)
+    result = run_training(_config(data, "skip", epochs=4, learning_rate=5e-3, scheduler="constant"))  # spikes at 32, 44
     skipped = [s.step for s in result.steps if s.metrics.get("update_skipped")]
     guards = read_log(result.output_dir / "rewind.jsonl").guards
     assert skipped and [g["step"] for g in guards] == skipped and {g["action"] for g in guards} == {"skip"}
