@@ -194,7 +194,8 @@ def test_a_subclass_that_overrides_encode_without_its_own_version_is_not_cached(
     assert cacheable(setup.task) and not cacheable(Weighted()) and cacheable(Versioned())
 
 
-def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_path, soup_home):
+@pytest.mark.parametrize("val_split", [0.2, 0.0])  # with rows held out, and every row in one pass
+def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_path, soup_home, val_split):
     from soup_core.data import build_training_list
     from soup_core.data.rows_cache import ArrowRows, cached_training_list
     from soup_core.default_plugins.formats import BUILTIN_FORMATS
@@ -204,7 +205,7 @@ def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_pat
                         {"role": "assistant", "content": "ok"}]}
     write_jsonl(tmp_path / "a.jsonl", [*ROWS[:20], {"messages": "not a list"}, odd])
     write_jsonl(tmp_path / "b.jsonl", ROWS[20:])
-    data = {"train": ["a.jsonl", "b.jsonl"], "val_split": 0.2, "seed": 3, "on_bad_row": "skip", "format": "chat"}
+    data = {"train": ["a.jsonl", "b.jsonl"], "val_split": val_split, "seed": 3, "on_bad_row": "skip", "format": "chat"}
 
     def both():
         return (build_training_list(data, formats=formats, base_dir=tmp_path),
@@ -218,6 +219,8 @@ def test_the_cached_training_list_is_the_built_one_and_follows_the_files(tmp_pat
     assert cached.rows[5] == built.rows[5] and cached.rows[-1] == built.rows[-1]
     assert list(cached.origins) == built.origins and cached.origins[19] == built.origins[19]
     assert [str(e) for e in cached.skipped] == [str(e) for e in built.skipped] and len(built.skipped) == 1
+    assert [f.rows for f in cached.files] == [f.rows for f in built.files]
+    assert sum(f.rows for f in cached.files) == cached.n_rows == 41 - cached.n_val  # 42 lines, one bad
     again = cached_training_list(data, formats=formats, base_dir=tmp_path)
     assert again.rows.path == cached.rows.path  # control: same files, same entry
     write_jsonl(tmp_path / "b.jsonl", ROWS[20:-1])  # one row fewer in the second file

@@ -77,6 +77,24 @@ class _Origins(ArrowRows):
         return self.files[value >> 40], value & ((1 << 40) - 1)
 
 
+def _array(pa: Any, kind: Any, values: list[Any]) -> Any:
+    """An Arrow array of strings, bytes or int64 built from buffers: ``pa.array`` on a list imports pandas
+    (half a second a process)."""
+    import numpy as np
+
+    if kind == pa.int64():
+        return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(np.array(values, dtype=np.int64))])
+    if kind == pa.string():  # the rows are JSON written ASCII-only (see _ENCODER)
+        values = [v.encode("ascii") for v in values]
+    offsets = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=len(values)), out=offsets[1:])
+    if offsets[-1] >= 2**31:  # more than a 32-bit offset holds: let pyarrow split it
+        return pa.array(values, type=kind)
+    data = b"".join(values)
+    return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(offsets.astype(np.int32)),
+                                                     pa.py_buffer(data)])
+
+
 class _Writer:
     """Columns appended row by row, written to an Arrow stream file a batch at a time."""
 
@@ -95,7 +113,7 @@ class _Writer:
             self.flush()
 
     def flush(self) -> None:
-        arrays = [self.pa.array(self.columns[name], type=kind) for name, kind in self.types.items()]
+        arrays = [_array(self.pa, kind, self.columns[name]) for name, kind in self.types.items()]
         self.writer.write_batch(self.pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         self.columns = {name: [] for name in self.types}
 
@@ -124,7 +142,11 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     if isinstance(val_split, bool) or not isinstance(val_split, (int, float)) or not 0 <= val_split < 1:
         raise DataError("", None, f"data.val_split must be a number in [0, 1), got {val_split!r}")
     files: list[SourceFile] = []
-    every = _Writer(folder / "all.arrow", {"row": pa.string(), "canon": pa.binary(), "origin": pa.int64()})
+    # nothing held out: every row is a training row, written, counted and hashed in this one pass
+    whole = not val_split
+    every = _Writer(folder / "rows.arrow", {"row": pa.string(), "origin": pa.int64()}) if whole else \
+        _Writer(folder / "all.arrow", {"row": pa.string(), "canon": pa.binary(), "origin": pa.int64()})
+    digest, val_digest = hashlib.sha256(), hashlib.sha256()
     skipped: list[DataError] = []
     total = n = 0
     try:
@@ -146,7 +168,12 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
             except (TypeError, ValueError) as exc:
                 raise DataError(shown, None, f"format {fmt.name} produced an example that is not JSON data: {exc}"
                                 ) from exc
-            every.add(row=row, canon=canon, origin=(i << 40) | number)
+            if whole:
+                every.add(row=row, origin=(i << 40) | number)
+                digest.update(canon + b"\n")
+                files[i].rows += 1
+            else:
+                every.add(row=row, canon=canon, origin=(i << 40) | number)
             n += 1
     finally:
         every.close()
@@ -155,10 +182,12 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
             raise DataError(shown, None, "no rows: the data set is empty")
         message = f"no usable rows: all {total} rows are bad (format {b._format_name(files)}); the first: {skipped[0]}"
         raise DataError(shown, None, message)
+    val = _Writer(folder / "val.arrow", {"row": pa.string()})
+    if whole:
+        val.close()
+        return _facts(digest, val_digest, files, sources, skipped)
     held = set(b.split_indices(n, float(val_split), seed))
     rows = _Writer(folder / "rows.arrow", {"row": pa.string(), "origin": pa.int64()})
-    val = _Writer(folder / "val.arrow", {"row": pa.string()})
-    digest, val_digest = hashlib.sha256(), hashlib.sha256()
     position = 0
     for batch in pa.ipc.open_stream(pa.OSFile(str(folder / "all.arrow"))):  # read, not mapped: freed per batch
         for row, canon, origin in zip(*(batch.column(c).to_pylist() for c in ("row", "canon", "origin")),
@@ -174,6 +203,13 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     rows.close()
     val.close()
     (folder / "all.arrow").unlink()
+    return _facts(digest, val_digest, files, sources, skipped)
+
+
+def _facts(digest: Any, val_digest: Any, files: list[SourceFile], sources: list[tuple[str, Path]],
+           skipped: list[DataError]) -> dict[str, Any]:
+    from soup_core.data import build as b
+
     return {"fingerprint": digest.hexdigest(), "val_fingerprint": val_digest.hexdigest(),
             "format": b._format_name(files), "files": [[f.format, f.rows, f.detected] for f in files],
             "source": ", ".join(str(path) for _, path in sources), "detected": any(f.detected for f in files),
