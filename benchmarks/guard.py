@@ -1,12 +1,17 @@
 """Issue 19: what the watchdog and the spike guard cost per optimizer step.
 
-Two arms of the same LoRA run (benchmarks/sft.py's model, rows and harness; the rewind plugin loaded in
-both, so both compute per-row statistics for its recorder): ``guarded`` (the watchdog on, its default, and
-``training.spike_guard: quarantine``) and ``off`` (``training.watchdog: false``, the guard off). They train
-in two threads of one process, one step at a time, interleaved (the rounds alternate which arm leads);
-a pair is the same step of both arms. Result: the median of the pair ratios (goal: at most 1% slower),
-the quartiles and each round's median; plus the gate's own work timed alone (the guard's decision on a
-step's rows, the watchdog's copy of the trainable weights and the update's size) as a share of a step.
+Three arms of the same LoRA run (benchmarks/sft.py's model, rows and harness; the rewind plugin loaded in
+all, so all compute per-row statistics for its recorder): ``guarded`` (the watchdog on, its default, and
+``training.spike_guard: quarantine``), ``off`` (``training.watchdog: false``, the guard off) and
+``off-again``, the same as ``off``: the A/A control, how far two identical arms read apart in the same run.
+Each arm runs in a process of its own (an earlier version ran them as threads of one process, which share
+one allocator, garbage collector and interpreter: there an A/A pair read -0.2% while guarded against off
+swung from +3% to -6% between runs), one step at a time under a baton, interleaved; the rounds go through
+every order of the arms, so each leads, and follows each other, equally often. A pair is the same step of
+two arms. Result: the median of the pair ratios (goal: at most 1% slower), wall-clock and CPU time of the
+training thread, with quartiles, each round's median, each place in the order, and the A/A control; plus
+the gate's own work timed alone (the guard's decision on a step's rows, the watchdog's copy of the
+trainable weights and the update's size) as a share of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/guard.py --record
 """
@@ -15,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "guard.json"
+WAIT_S = 900.0  # no wait for the baton lasts this long unless something is broken
+#: the arms: extra ``training:`` lines. ``off-again`` is ``off`` once more, the A/A control: how far two
+#: identical arms read apart in the same run
+ARMS = {"guarded": "  spike_guard: quarantine\n", "off": "  watchdog: false\n", "off-again": "  watchdog: false\n"}
 
 
 def _sft_bench() -> Any:
@@ -41,36 +50,142 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _started(lock: threading.Lock) -> Any:
-    """A plugin whose recorder releases ``lock`` once the run's trainer is built (its run start)."""
-    from soup_core import Recorder, hookimpl
+class ProcessBaton:
+    """:class:`sft.Baton` across processes: one arm trains at a time, in a fixed cyclic order, each arm in a
+    process of its own (its own allocator, garbage collector and interpreter, unlike threads of one
+    process). Each child calls :meth:`bind` with its place in the order before training."""
 
-    class Plugin:
-        SOUP_HOOK_API = (1, 1)
+    def __init__(self, context: Any, n: int) -> None:
+        self.n, self.me = n, -1
+        self.cond = context.Condition()
+        self.turn = context.RawValue("i", 0)
+        self.arrived = context.RawArray("b", n)
+        self.done = context.RawArray("b", n)
+        self.failed = context.RawValue("b", 0)
 
-        def __init__(self) -> None:
-            self.held = True
-            plugin = self
+    def bind(self, place: int) -> None:
+        self.me = place
 
-            class Started(Recorder):
-                name = "bench-started"
-                wants_micro_batches = False
+    def _wait(self, predicate: Any) -> None:
+        if not self.cond.wait_for(lambda: predicate() or self.failed.value, timeout=WAIT_S):
+            raise RuntimeError("benchmark baton: timed out waiting for the other arms")
+        if self.failed.value:
+            raise RuntimeError("another arm failed")
 
-                def on_run_start(self, event: Any) -> None:
-                    plugin.release()
+    def _pass(self) -> None:
+        following = [(self.me + k) % self.n for k in range(1, self.n + 1)]
+        live = [j for j in following if not self.done[j]]
+        self.turn.value = live[0] if live else -1
+        self.cond.notify_all()
 
-            self.recorder = Started
+    def start(self, name: str) -> None:
+        with self.cond:
+            self.arrived[self.me] = 1
+            self.cond.notify_all()
+            self._wait(lambda: all(self.arrived) and self.turn.value == self.me)
 
-        def release(self) -> None:
-            if self.held:
-                self.held = False
-                lock.release()
+    def next(self, name: str) -> None:
+        with self.cond:
+            self._pass()
+            self._wait(lambda: self.turn.value == self.me)
 
-        @hookimpl
-        def soup_register_recorders(self) -> list[type]:
-            return [self.recorder]
+    def finish(self, name: str) -> None:
+        with self.cond:
+            self.done[self.me] = 1
+            self._pass()
+            self._wait(lambda: all(self.done))
 
-    return Plugin()
+    def fail(self) -> None:
+        with self.cond:
+            self.failed.value = 1
+            self.cond.notify_all()
+
+
+def _arm_process(name: str, place: int, baton: ProcessBaton, total: int, extra: str, paths: tuple[str, str, str],
+                 results: Any) -> None:
+    """One arm's run in a child process; sends back its step times, tokens and guard actions."""
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    import datasets
+    import torch
+    import transformers
+
+    import soup_plugin_rewind.plugin as rewind_plugin
+
+    torch.set_num_threads(1)
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    sft = _sft_bench()
+    work, model, data = (Path(p) for p in paths)
+    baton.bind(place)
+    timer = sft.StepTimer(name, baton, total)  # type: ignore[arg-type] - the same three calls
+    acted: list[int] = []
+
+    def guard_lines(output: Path) -> None:  # the guard's actions: none, or the arms' work differs
+        log = output / "rewind.jsonl"
+        acted.append(sum(b'"kind":"guard"' in line for line in log.read_bytes().splitlines()))
+
+    try:
+        sft.soup_arm(work, model, data, timer=timer, max_steps=total, plugins=[("rewind", rewind_plugin)],
+                     extra=extra, inspect=guard_lines)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the benchmark
+        baton.fail()
+        results.put((name, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((name, {"wall": timer.steps, "cpu": timer.cpu, "tokens": timer.tokens, "acted": acted}))
+
+
+def interleave_processes(arms: dict[str, str], rounds: int, warmup: int, steps: int, paths: tuple[str, str, str],
+                         sft: Any) -> tuple[Any, dict[str, list[int]]]:
+    """``sft.interleave`` with each arm in a process of its own (``arms``: name -> extra ``training:``
+    lines); the rounds go through every order of the arms. Returns the results and each arm's guard
+    actions per run."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    names = list(arms)
+    orders = list(itertools.permutations(names))
+    total = warmup + steps + 1
+    results: dict[str, list[dict[str, list[float]]]] = {name: [] for name in names}
+    acted: dict[str, list[int]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = list(orders[r % len(orders)])
+        baton = ProcessBaton(context, len(order))
+        queue = context.Queue()
+        procs = [context.Process(target=_arm_process, args=(name, i, baton, total, arms[name], paths, queue),
+                                 name=f"arm-{name}") for i, name in enumerate(order)]
+        for proc in procs:
+            proc.start()
+        got = dict(queue.get(timeout=WAIT_S) for _ in procs)
+        for proc in procs:
+            proc.join()
+        failed = {name: v for name, v in got.items() if isinstance(v, str)}
+        if failed:
+            raise RuntimeError(f"round {r + 1}: {failed}")
+        for name in order:
+            run = got[name]
+            if len(run["wall"]) < warmup + steps:
+                raise RuntimeError(f"{name}: timed {len(run['wall'])} steps, need {warmup + steps}")
+            if len(run["tokens"]) != total or any(t != sft.BATCH * sft.MAX_LENGTH for t in run["tokens"]):
+                raise RuntimeError(f"arm {name} trained micro-batches other than {sft.BATCH} x {sft.MAX_LENGTH}")
+            results[name].append({k: run[k][warmup : warmup + steps] for k in ("wall", "cpu")})
+            acted[name] += run["acted"]
+        say(f"round {r + 1}/{rounds} ({', '.join(order)}): median ms/step wall (cpu) " + ", ".join(
+            f"{name} {statistics.median(results[name][-1]['wall']) * 1000:.0f} "
+            f"({statistics.median(results[name][-1]['cpu']) * 1000:.0f})" for name in names))
+    return results, acted
+
+
+def by_place(runs: Any, orders: list[list[str]]) -> dict[str, float]:
+    """Each arm's step time over the median of its round's arms, by its place in the round's order (1st,
+    2nd, ...), median over the rounds: whether going first or last makes a step slower, whatever the arm."""
+    places: dict[int, list[float]] = {}
+    for r, order in enumerate(orders):
+        medians = {name: statistics.median(runs[name][r]["wall"]) for name in order}
+        middle = statistics.median(medians.values())
+        for place, name in enumerate(order):
+            places.setdefault(place + 1, []).append(medians[name] / middle)
+    return {f"place {k}": round(statistics.median(v), 3) for k, v in sorted(places.items())}
 
 
 def guard_direct(reps: int = 2000, batch: int = 4) -> float:
@@ -108,65 +223,33 @@ def snapshot_direct(model: Any, reps: int = 300) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4, help="rounds (alternating which arm leads)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (6: every order of the 3 arms once)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run; pairs = rounds x steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the window")
     parser.add_argument("--record", action="store_true", help=f"write {RESULTS}")
     args = parser.parse_args()
     if args.rounds * args.steps < 15:
         parser.error("at least 15 pairs: --rounds x --steps >= 15")
-    # trl's telemetry reads the accelerator state while the other arm's thread may be resetting it
-    os.environ["HF_HUB_DISABLE_TELEMETRY"] = os.environ["CI"] = "1"
     import datasets
     import torch
     import transformers
 
-    import soup_plugin_rewind.plugin as rewind_plugin
     from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     torch.set_num_threads(1)
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
     sft = _sft_bench()
-    sft.preimport()
-    import soup_core.default_plugins.transformers.gate  # noqa: F401 - not imported first from a thread
-    import soup_plugin_rewind.guard  # noqa: F401
-    import soup_plugin_rewind.recorder  # noqa: F401
-
-    max_steps = args.warmup + args.steps + 1
     with tempfile.TemporaryDirectory(prefix="soup-bench-guard-") as tmp:
         work = Path(tmp)
-        os.environ["SOUP_HOME"] = str(work / "home")
+        os.environ["SOUP_HOME"] = str(work / "home")  # the children inherit it
         model = tiny_model_dir(work / "tiny", hidden=sft.HIDDEN, layers=sft.LAYERS)
         data = work / "data.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in sft.make_rows()), encoding="utf-8")
-        rewind = [("rewind", rewind_plugin)]
-        building = threading.Lock()  # trainers share accelerate's state: build them one at a time
-
-        acted: list[int] = []  # guard lines per guarded run: its skipped updates (the arms' work differs by them)
-
-        def guard_lines(output: Path) -> None:
-            log = output / "rewind.jsonl"
-            acted.append(sum(b'"kind":"guard"' in line for line in log.read_bytes().splitlines()))
-
-        def arm(extra: str) -> Any:
-            def run(timer: Any) -> None:
-                building.acquire()
-                started = _started(building)
-                try:
-                    sft.soup_arm(work, model, data, timer=timer, max_steps=max_steps,
-                                 plugins=[*rewind, ("bench-started", started)], extra=extra,
-                                 inspect=guard_lines if "spike_guard" in extra else None)
-                finally:
-                    started.release()
-
-            return run
-
-        arms = {"guarded": arm("  spike_guard: quarantine\n"), "off": arm("  watchdog: false\n")}
         say(f"guard: model hidden {sft.HIDDEN}, {sft.LAYERS} layers; batch {sft.BATCH} x {sft.MAX_LENGTH}; "
-            f"{args.warmup} warm-up + {args.steps} timed steps per run, {args.rounds} rounds")
-        runs = sft.interleave(arms, args.rounds, args.warmup, args.steps, say)
+            f"{args.warmup} warm-up + {args.steps} timed steps per run, {args.rounds} rounds, arms {list(ARMS)}")
+        runs, acted = interleave_processes(ARMS, args.rounds, args.warmup, args.steps,
+                                           (str(work), str(model), str(data)), sft)
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
@@ -174,6 +257,7 @@ def main() -> None:
             r=8, lora_alpha=16, target_modules=sft.LORA_TARGETS, task_type="CAUSAL_LM"))
         snapshot_ms = snapshot_direct(lora)
     guard_ms = guard_direct()
+    orders = [list(o) for o in itertools.islice(itertools.cycle(itertools.permutations(ARMS)), args.rounds)]
     ratios = sft.pair_ratios(runs, "guarded", "off")
     step_cpu_ms = sft.median_ms(runs, "cpu")["off"] or 1.0
     result = {
@@ -181,8 +265,9 @@ def main() -> None:
         "what": "soup train step time, watchdog on + spike_guard quarantine vs both off (rewind loaded in both)",
         "model": f"tiny llama, hidden {sft.HIDDEN}, {sft.LAYERS} layers, LoRA r=8 (soup defaults), fp32, CPU",
         "batch": f"{sft.BATCH} rows x {sft.MAX_LENGTH} tokens, 1 torch thread",
-        "method": "2 arms in threads, one training at a time, interleaved step by step, rounds alternating "
-        "the leading arm; pair = the same step of both arms (see benchmarks/sft.py)",
+        "method": "3 arms (guarded, off, off-again: the A/A control), each in a process of its own, one "
+        "training at a time, interleaved step by step, the rounds going through every order of the arms; "
+        "pair = the same step of two arms (see benchmarks/sft.py)",
         "rounds": args.rounds,
         "timed_steps_per_run": args.steps,
         "pairs": len(ratios),
@@ -192,7 +277,16 @@ def main() -> None:
         "wall_clock": sft.summarize(ratios, as_pct=True),
         "thread_cpu_time": sft.summarize(sft.pair_ratios(runs, "guarded", "off", "cpu"), as_pct=True),
         "per_round_median_ratios_wall": sft.round_medians(runs, "guarded", "off"),
-        "guard_actions_per_guarded_run": acted,
+        "guarded_vs_off_again_wall": sft.summarize(sft.pair_ratios(runs, "guarded", "off-again"), as_pct=True),
+        "a_a_control": {
+            "what": "off-again over off: two identical arms; the harness's own error",
+            "wall_clock": sft.summarize(sft.pair_ratios(runs, "off-again", "off"), as_pct=True),
+            "thread_cpu_time": sft.summarize(sft.pair_ratios(runs, "off-again", "off", "cpu"), as_pct=True),
+            "per_round_median_ratios_wall": sft.round_medians(runs, "off-again", "off"),
+        },
+        "orders": orders,
+        "wall_by_place_in_the_order": by_place(runs, orders),
+        "guard_actions_per_run": acted,
         "direct": {
             "guard_decision_cpu_ms_per_step": round(guard_ms, 4),
             "watchdog_snapshot_cpu_ms_per_step": round(snapshot_ms, 4),
@@ -207,6 +301,10 @@ def main() -> None:
     if args.record:
         from soup_core.io import atomic_write
 
+        if RESULTS.is_file():  # earlier runs are kept: on a shared machine one run is one sample of the noise
+            earlier = json.loads(RESULTS.read_text(encoding="utf-8"))
+            result["earlier"] = [*earlier.pop("earlier", []), earlier]
+            text = json.dumps(result, indent=2) + "\n"
         atomic_write(RESULTS, text)
         say(f"wrote {RESULTS}")
 
