@@ -273,6 +273,8 @@ class TransformersBackend(Backend):
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run (see :class:`PreparedRun`); returns its summary."""
+        import gc
+
         from soup_core.default_plugins.transformers.imports import (
             few_collections,
             known_packages,
@@ -281,6 +283,9 @@ class TransformersBackend(Backend):
         )
 
         with without(*unused_by(context.config)):
-            with few_collections(), known_packages():  # imports, loading the model, building the trainer
-                prepared = self.prepare(context)
-            return prepared.run()
+            try:
+                with few_collections(freeze=True), known_packages():  # imports, the model, the trainer
+                    prepared = self.prepare(context)
+                return prepared.run()
+            finally:
+                gc.unfreeze()
