@@ -6,12 +6,13 @@ all, so all compute per-row statistics for its recorder): ``guarded`` (the watch
 ``off-again``, the same as ``off``: the A/A control, how far two identical arms read apart in the same run.
 Each arm runs in a process of its own (an earlier version ran them as threads of one process, which share
 one allocator, garbage collector and interpreter: there an A/A pair read -0.2% while guarded against off
-swung from +3% to -6% between runs), one step at a time under a baton, interleaved; the rounds go through
-every order of the arms, so each leads, and follows each other, equally often. A pair is the same step of
-two arms. Result: the median of the pair ratios (goal: at most 1% slower), wall-clock and CPU time of the
-training thread, with quartiles, each round's median, each place in the order, and the A/A control; plus
-the gate's own work timed alone (the guard's decision on a step's rows, the watchdog's copy of the
-trainable weights and the update's size) as a share of a step.
+swung from +3% to -6% between runs: the guarded arm set off more of the shared collector's collections, each
+walking every arm's objects; benchmarks/README.md), one step at a time under a baton, interleaved; the
+rounds go through every order of the arms, so each leads, and follows each other, equally often. A pair is
+the same step of two arms. Result: the median of the pair ratios (goal: at most 1% slower), wall-clock and
+CPU time of the training thread, with quartiles, each round's median, each place in the order, and the A/A
+control; plus the gate's own work timed alone (the guard's decision on a step's rows, the watchdog's copy of
+the trainable weights and the update's size) as a share of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/guard.py --record
 """
