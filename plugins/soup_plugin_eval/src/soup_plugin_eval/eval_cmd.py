@@ -25,10 +25,10 @@ EVAL_HELP = f"""Loss and perplexity on held-out rows, with exactly the training 
 
 The rows are read and encoded as the run's task reads and encodes training rows (its formats, chat template, \
 data.max_length, train_on_responses_only), so each row's loss is the mean cross-entropy over the same \
-supervised tokens training used (for sft, what soup rewind shows for a training row). The loss of the data is the mean \
-over all its supervised tokens; perplexity is exp of it. --json writes every row's loss (index: the row's \
-position in --data, or in the validation split; file and line: where it came from), to sort the worst rows. Each result is stored with its run \
-and shown by `soup runs show RUN` (summary.eval ...).
+supervised tokens training used (for sft, what soup rewind shows for a training row). The loss of the data is \
+the mean over all its supervised tokens; perplexity is exp of it. --json writes every row's loss (index: the \
+row's position in --data, or in the validation split; file and line: where it came from), to sort the worst \
+rows. Each result is stored with its run and shown by `soup runs show RUN` (summary.eval ...).
 
 {EXIT_CODES}
 """
