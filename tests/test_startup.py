@@ -421,3 +421,41 @@ def test_the_soup_command_exits_with_its_code_after_the_atexit_handlers(tmp_path
                             cwd=tmp_path, timeout=120)
     assert waited.returncode == code
     assert "thread finished" in waited.stdout and waited.stdout.rstrip().endswith("atexit ran")
+
+
+# a controller whose on_run_start imports scipy, in a fresh interpreter where nothing imported it before
+_SCIPY_IN_A_RUN = """
+import sys
+from soup_core import Controller, hookimpl
+from soup_core.testing import train_in_process
+
+seen = []
+
+class UsesScipy(Controller):
+    name = "uses-scipy"
+
+    def on_run_start(self, event):
+        import scipy.optimize
+        seen.append(scipy.optimize.__name__)
+        return ()
+
+class Plugin:
+    SOUP_HOOK_API = (1, 1)
+
+    @hookimpl
+    def soup_register_controllers(self):
+        return [UsesScipy]
+
+result = train_in_process(sys.argv[1], workdir=sys.argv[2], plugins=[("uses-scipy", Plugin())])
+print("RUN", result.status, seen)
+"""
+
+
+def test_a_plugin_can_import_scipy_during_a_run(tmp_path, tiny_model, soup_home) -> None:
+    import subprocess
+
+    config = _config(tmp_path, tiny_model, "scipy")
+    out = subprocess.run([sys.executable, "-c", _SCIPY_IN_A_RUN, str(config), str(tmp_path / "w")],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    # control: test_scipy_is_imported_by_transformers_unless_blocked shows the block makes it unimportable
+    assert "RUN completed ['scipy.optimize']" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -276,12 +276,15 @@ class TransformersBackend(Backend):
         import gc
 
         from soup_core.default_plugins.transformers.imports import (
+            SCIPY,
             few_collections,
             known_packages,
             unused_by,
             without,
         )
 
+        with without(SCIPY):  # only while transformers imports: a plugin's own code may use scipy in the run
+            import transformers.modeling_utils  # noqa: F401
         with without(*unused_by(context.config)):
             try:
                 with few_collections(freeze=True), known_packages():  # imports, the model, the trainer

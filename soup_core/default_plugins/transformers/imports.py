@@ -9,9 +9,9 @@ run without quantisation trains (and while the deep probe imports trl), ``sys.mo
 None; afterwards the entry goes and the libraries' availability caches are cleared, so a quantised run later
 in the same process finds bitsandbytes as if nothing had happened.
 
-scipy likewise: transformers' model module imports its object-detection losses, which import
-``scipy.optimize`` (about half a second) when scipy is installed; no causal language model uses them, and
-nothing else in a run imports scipy.
+scipy likewise, but only while transformers' model module is imported: it imports its object-detection
+losses, which import ``scipy.optimize`` (about half a second) when scipy is installed, and no causal language
+model uses them. scipy stays importable for the rest of the run, where a plugin's task or reward may use it.
 """
 
 from __future__ import annotations
@@ -130,6 +130,6 @@ def known_packages() -> Iterator[None]:
 
 
 def unused_by(config: Any) -> tuple[str, ...]:
-    """The optional libraries a transformers run of ``config`` does not use."""
+    """The optional libraries a transformers run of ``config`` does not use, blocked while it runs."""
     quantization = getattr(getattr(config, "training", None), "quantization", None)
-    return (BITSANDBYTES, SCIPY) if quantization in (None, "none") else (SCIPY,)
+    return (BITSANDBYTES,) if quantization in (None, "none") else ()
