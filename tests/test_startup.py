@@ -423,7 +423,7 @@ def test_the_soup_command_exits_with_its_code_after_the_atexit_handlers(tmp_path
     assert "thread finished" in waited.stdout and waited.stdout.rstrip().endswith("atexit ran")
 
 
-# a controller whose on_run_start imports scipy, in a fresh interpreter where nothing imported it before
+# a controller that imports scipy and bitsandbytes at run start, in a fresh interpreter (nothing imported them)
 _SCIPY_IN_A_RUN = """
 import sys
 from soup_core import Controller, hookimpl
@@ -435,8 +435,9 @@ class UsesScipy(Controller):
     name = "uses-scipy"
 
     def on_run_start(self, event):
+        import bitsandbytes
         import scipy.optimize
-        seen.append(scipy.optimize.__name__)
+        seen.extend([scipy.optimize.__name__, bitsandbytes.__name__])
         return ()
 
 class Plugin:
@@ -451,11 +452,11 @@ print("RUN", result.status, seen)
 """
 
 
-def test_a_plugin_can_import_scipy_during_a_run(tmp_path, tiny_model, soup_home) -> None:
+def test_a_plugin_can_import_scipy_and_bitsandbytes_during_a_run(tmp_path, tiny_model, soup_home) -> None:
     import subprocess
 
     config = _config(tmp_path, tiny_model, "scipy")
     out = subprocess.run([sys.executable, "-c", _SCIPY_IN_A_RUN, str(config), str(tmp_path / "w")],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
     # control: test_scipy_is_imported_by_transformers_unless_blocked shows the block makes it unimportable
-    assert "RUN completed ['scipy.optimize']" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "RUN completed ['scipy.optimize', 'bitsandbytes']" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -285,10 +285,10 @@ class TransformersBackend(Backend):
 
         with without(SCIPY):  # only while transformers imports: a plugin's own code may use scipy in the run
             import transformers.modeling_utils  # noqa: F401
-        with without(*unused_by(context.config)):
-            try:
-                with few_collections(freeze=True), known_packages():  # imports, the model, the trainer
-                    prepared = self.prepare(context)
-                return prepared.run()
-            finally:
-                gc.unfreeze()
+        try:
+            # imports, the model, the trainer; then training, where a plugin may import what it likes
+            with without(*unused_by(context.config)), few_collections(freeze=True), known_packages():
+                prepared = self.prepare(context)
+            return prepared.run()
+        finally:
+            gc.unfreeze()

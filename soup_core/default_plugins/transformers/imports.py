@@ -5,9 +5,10 @@ is imported, and its LoRA dispatch asks ``importlib.util.find_spec("bitsandbytes
 quantised layers. Importing bitsandbytes compiles kernels through torch's inductor (about a second on a CPU),
 for nothing when the base is not quantised. Both checks read ``sys.modules`` first, and a ``None`` there is
 how Python spells "not importable": ``import`` raises ``ImportError``, ``find_spec`` answers None. So while a
-run without quantisation trains (and while the deep probe imports trl), ``sys.modules["bitsandbytes"]`` is
-None; afterwards the entry goes and the libraries' availability caches are cleared, so a quantised run later
-in the same process finds bitsandbytes as if nothing had happened.
+run without quantisation is set up (imports, model, trainer; and while the deep probe imports trl),
+``sys.modules["bitsandbytes"]`` is None; then the entry goes and the libraries' availability caches are
+cleared, so training (a plugin's own code) and a quantised run later in the same process find bitsandbytes
+as if nothing had happened.
 
 scipy likewise, but only while transformers' model module is imported: it imports its object-detection
 losses, which import ``scipy.optimize`` (about half a second) when scipy is installed, and no causal language
