@@ -50,7 +50,7 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     """Everything before the model: requirements, probes, pre-flight, data. Raises RunRefused or
     soup_core.data.DataError."""
     from soup_core.data import summarize
-    from soup_core.data.rows_cache import cached_training_list
+    from soup_core.data.rows_cache import cached_training_list, fill_ahead
 
     _, world_size = dist_env()
     backend_cls = plugins.backends.get(config.backend)
@@ -59,6 +59,12 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
             f"backend {config.backend!r} (plugin {plugins.backends.owner(config.backend)!r}) trains in one "
             f"process, and this run has {world_size} (--nproc or a launcher); run soup train without --nproc"
         )
+    task_cls = plugins.tasks.get(config.task)
+    formats = dict(plugins.data_formats.items())
+    keys = [k.split(".", 1)[1] for k in getattr(task_cls, "data_keys", ())]
+    # the rows are read and validated on another core while the deep probe imports the backend's libraries
+    ahead = [fill_ahead(config.data, formats=formats, base_dir=base_dir, key=key,
+                        accepted=task_cls.formats or None) for key in keys if getattr(config.data, key, None)]
     problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
     if problems:
         raise RunRefused("\n".join(problems))
@@ -69,8 +75,6 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
         if report.refusal:
             fix = f"\n  fix: {report.fix}" if report.fix else ""
             raise RunRefused(f"pre-flight check of plugin {plugin!r} refused the run: {report.refusal}{fix}")
-    task_cls = plugins.tasks[config.task]
-    formats = dict(plugins.data_formats.items())
     for key in task_cls.data_keys:
         attr = key.split(".", 1)[1]
         if getattr(config.data, attr, None) is None:
@@ -80,6 +84,8 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
         )
         plan.data[attr] = training
         plan.lines.append(f"data.{attr}: {summarize(training)}")
+    for reap in ahead:
+        reap()
     _refuse_other_files(plan)
     _refuse_changed_data(plan, task_cls.data_keys[0].split(".", 1)[1] if task_cls.data_keys else "train")
     return plan

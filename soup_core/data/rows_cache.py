@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import mmap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,52 @@ def _facts(digest: Any, val_digest: Any, files: list[SourceFile], sources: list[
             "format": b._format_name(files), "files": [[f.format, f.rows, f.detected] for f in files],
             "source": ", ".join(str(path) for _, path in sources), "detected": any(f.detected for f in files),
             "skipped": [[e.path, e.line, e.message, e.unit, e.fix] for e in skipped]}
+
+
+#: Data files of at least this many bytes in all are read ahead in a process of their own (see :func:`fill_ahead`).
+AHEAD_BYTES = 4 << 20
+
+
+def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None = None, key: str = "train",
+               accepted: Sequence[str] | None = None) -> Callable[[], None]:
+    """Start filling the rows cache for ``data`` in a forked process, so that reading and validating the rows
+    runs on another core while this one imports the backend's libraries (the deep probe); returns a function
+    that reaps it. The later :func:`cached_training_list` takes the entry's lock, so it waits for this fill
+    and reads it; a fill that failed left nothing, so that call fills again and reports what is wrong. Only
+    on Linux, never once CUDA is initialised, and for data big enough to pay for the process."""
+    import os
+    import sys
+
+    try:
+        paths = [_resolve(raw, base_dir) for raw, _, _ in _entries(_get(data, key), key)]
+        size = sum(path.stat().st_size for path in paths if path.is_file())
+    except (OSError, DataError, TypeError, ValueError):
+        return lambda: None
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    if not sys.platform.startswith("linux") or cuda or size < AHEAD_BYTES:
+        return lambda: None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: fill, say nothing (the parent reports), never return into the parent's code
+        code = 0
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            cached_training_list(data, formats=formats, base_dir=base_dir, key=key, accepted=accepted)
+        except BaseException:  # noqa: BLE001 - the parent fills again and says what went wrong
+            code = 1
+        os._exit(code)
+
+    def reap() -> None:
+        import contextlib
+
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    return reap
 
 
 def cached_training_list(
