@@ -9,21 +9,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "cli_start.json"
+import _common
+
+RESULTS = _common.RESULTS / "cli_start.json"
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
-    return time.perf_counter() - start
+    return _common.timed_process(cmd, env)[0]
 
 
 def main() -> None:
@@ -44,36 +41,29 @@ def main() -> None:
         env["SOUP_LOAD_PLUGINS"] = args.plugins
     for cmd in (soup_cmd, typer_cmd):  # warm the page cache and the .pyc files
         timed(cmd, env)
-    ratios, soup_t, typer_t = [], [], []
-    for i in range(args.pairs):
-        order = (soup_cmd, typer_cmd) if i % 2 == 0 else (typer_cmd, soup_cmd)
-        t = {tuple(c): timed(c, env) for c in order}
-        s, ty = t[tuple(soup_cmd)], t[tuple(typer_cmd)]
-        soup_t.append(s)
-        typer_t.append(ty)
-        ratios.append(s / ty)
+    got = _common.interleaved_pairs({"soup": lambda: timed(soup_cmd, env), "typer": lambda: timed(typer_cmd, env)},
+                                    args.pairs)
+    soup_t, typer_t = got["soup"], got["typer"]
+    ratio, _ = _common.median_ratio(soup_t, typer_t)
     result = {
         "benchmark": "cli_start",
         "command": " ".join(soup_cmd),
         "baseline": " ".join(typer_cmd),
         "plugins_loaded": "all installed" if args.plugins is None else (args.plugins or "none (core only)"),
         "pairs": args.pairs,
-        "median_ratio": round(statistics.median(ratios), 3),
+        "median_ratio": round(ratio, 3),
         "goal": "<= 1.4",
         "median_soup_s": round(statistics.median(soup_t), 4),
         "median_typer_s": round(statistics.median(typer_t), 4),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, Python "
-                   f"{platform.python_version()}",
-        "date": time.strftime("%Y-%m-%d"),
+        **_common.machine(),
     }
     print(json.dumps(result, indent=2))
     if args.record:  # one result per plugin selection, kept side by side
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        if "benchmark" in recorded:  # an older single-result file
-            recorded = {}
-        recorded[result["plugins_loaded"]] = result
-        RESULTS.write_text(json.dumps(recorded, indent=2) + "\n")
+        def merge(old: object) -> dict[str, object]:
+            kept = old if isinstance(old, dict) and "benchmark" not in old else {}  # not an older single result
+            return {**kept, result["plugins_loaded"]: result}
+
+        _common.record("cli_start", result, merge)
 
 
 if __name__ == "__main__":

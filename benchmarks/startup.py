@@ -27,33 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "startup.json"
+import _common
+
+RESULTS = _common.RESULTS / "startup.json"
 GOALS = {"train": 0.70, "dry": 0.5, "cold": None}
 
 
 def timed(cmd: list[str], env: dict[str, str], *, expect: str) -> tuple[float, float]:
     """(wall s, child CPU s) of one run; stops the benchmark if the run did not do what it should. Runs in
     the temporary folder: from the repository, ``python -m`` would import the checkout's Soup first."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=env["SOUP_BENCH_DIR"])
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if out.returncode != 0 or expect not in out.stdout:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {out.returncode}, {expect!r} not printed):\n"
-                         + out.stdout[-3000:])
-    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return _common.timed_process(cmd, env, expect=expect, cwd=env["SOUP_BENCH_DIR"])
 
 
 def _rows(n: int) -> str:
@@ -78,15 +67,20 @@ def compare(name: str, ours: tuple[list[str], dict[str, str], str], other: tuple
     for side, (cmd, env, expect) in sides.items():
         before_each[side]()  # type: ignore[operator]
         timed(cmd, env, expect=expect)
-    got: dict[str, list[tuple[float, float]]] = {"soup": [], "other": []}
-    for i in range(pairs):
-        for side in ("soup", "other") if i % 2 == 0 else ("other", "soup"):
-            cmd, env, expect = sides[side]
-            before_each[side]()  # type: ignore[operator]
-            got[side].append(timed(cmd, env, expect=expect))
-        print(f"  {name} pair {i + 1}: soup {got['soup'][-1][0]:.2f} s wall / {got['soup'][-1][1]:.2f} s CPU, "
-              f"other {got['other'][-1][0]:.2f} / {got['other'][-1][1]:.2f}", file=sys.stderr, flush=True)
-    ratio = {k: [s[j] / o[j] for s, o in zip(got["soup"], got["other"], strict=True)]
+
+    def side(name: str):
+        def run() -> tuple[float, float]:
+            cmd, env, expect = sides[name]
+            before_each[name]()  # type: ignore[operator]
+            return timed(cmd, env, expect=expect)
+        return run
+
+    def show(i: int, got: dict[str, list[tuple[float, float]]]) -> None:
+        _common.say(f"  {name} pair {i + 1}: soup {got['soup'][-1][0]:.2f} s wall / {got['soup'][-1][1]:.2f} s CPU, "
+                    f"other {got['other'][-1][0]:.2f} / {got['other'][-1][1]:.2f}")
+
+    got = _common.interleaved_pairs({"soup": side("soup"), "other": side("other")}, pairs, show)
+    ratio = {k: _common.median_ratio([s[j] for s in got["soup"]], [o[j] for o in got["other"]])[1]
              for j, k in enumerate(("wall", "cpu"))}
     return {
         "pairs": pairs,
@@ -125,9 +119,7 @@ def main() -> None:
     def clear(path: Path):
         return lambda: shutil.rmtree(path, ignore_errors=True)
 
-    result: dict[str, object] = {"benchmark": "startup", "machine": (
-        f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, Python {platform.python_version()}"),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": os.getloadavg()[0]}
+    result: dict[str, object] = {"benchmark": "startup", "load_before": _common.load_average()}
     only = set(args.only.split(","))
     if "train" in only:
         out_soup, out_orig = work / "out-soup", work / "out-original"
@@ -158,15 +150,16 @@ def main() -> None:
                       before_each={"soup": clear(homes["soup"] / "cache" / ("" if cold else "data")),
                                    "other": clear(homes["today"] / "cache") if cold else (lambda: None)}),
         }
-    result["load_after"] = os.getloadavg()[0]
+    result.update(_common.machine())
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))
     if args.record:  # every recorded run is kept: on a shared machine one run's median moves a lot
-        from soup_core.io import atomic_write
+        def merge(old: object) -> dict[str, object]:
+            recorded = old if isinstance(old, dict) else {}
+            runs = recorded.get("runs") or ([recorded] if recorded.get("benchmark") else [])
+            return {"benchmark": "startup", "runs": [*runs, result]}
 
-        recorded = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-        runs = recorded.get("runs") or ([recorded] if recorded.get("benchmark") else [])
-        atomic_write(RESULTS, json.dumps({"benchmark": "startup", "runs": [*runs, result]}, indent=2) + "\n")
+        _common.record("startup", result, merge)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""What every benchmark script shares: the machine it ran on, writing its result, timing a whole process, the
+interleaved pairs and their median ratio, and loading ``sft.py`` (its step timer and in-process soup run).
+
+Scripts run as ``python benchmarks/NAME.py``, so this folder is first on ``sys.path`` and ``import _common``
+finds this file. Nothing here imports torch: a script that reports it passes its version to :func:`machine`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+
+
+def say(message: str) -> None:
+    """Progress goes to stderr, so stdout carries only the result."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def machine(**extra: Any) -> dict[str, Any]:
+    """The machine a result was measured on, the same in every result file; ``load_average`` is read now (call
+    it at the end of a run: on a shared machine it says how busy the run was). ``extra`` adds fields, such as
+    the torch version."""
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
+        f"Python {platform.python_version()}",
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or None,
+        "load_average": load_average(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **extra,
+    }
+
+
+def record(name: str | Path, result: dict[str, Any], merge: Callable[[Any], Any] | None = None) -> Path:
+    """Write ``result`` to ``results/<name>.json`` (or to the path ``name``) atomically: a reader sees the old
+    file or the new one. A script that measures parts, or keeps earlier runs, passes ``merge(old)``: it builds
+    what to write from the recorded content (``None`` when there is none or it is not JSON), so ``--record``
+    replaces only what was measured."""
+    from soup_core.io import atomic_write
+
+    path = name if isinstance(name, Path) else RESULTS / f"{name}.json"
+    if merge is not None:
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        result = merge(old)
+    atomic_write(path, json.dumps(result, indent=2) + "\n")
+    say(f"wrote {path}")
+    return path
+
+
+def timed_process(cmd: list[str], env: dict[str, str] | None = None, *, expect: str | None = None,
+                  cwd: str | None = None) -> tuple[float, float]:
+    """(wall s, CPU s of the child: user + system) of one run of ``cmd``; stops the benchmark when it fails or
+    does not print ``expect``, so a broken side is never timed as a fast one. Without ``expect`` the output
+    goes to /dev/null, unread."""
+    sink = subprocess.DEVNULL if expect is None else subprocess.PIPE
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT if expect else sink, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode != 0 or (expect is not None and expect not in out.stdout):
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {out.returncode}"
+                         + (f", {expect!r} not printed):\n{out.stdout[-3000:]}" if expect is not None else ")"))
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+
+def interleaved_pairs(sides: dict[str, Callable[[], Any]], pairs: int,
+                      on_pair: Callable[[int, dict[str, list[Any]]], None] | None = None) -> dict[str, list[Any]]:
+    """Run each side once per pair, the side that goes first alternating, so load that comes and goes over
+    seconds hits both alike; returns each side's results in pair order."""
+    names = list(sides)
+    got: dict[str, list[Any]] = {name: [] for name in names}
+    for i in range(pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            got[name].append(sides[name]())
+        if on_pair is not None:
+            on_pair(i, got)
+    return got
+
+
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, list[float]]:
+    """The median of the pair ratios a/b (not the ratio of medians: each pair shares the machine's load)."""
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return statistics.median(ratios), ratios
+
+
+def sft_bench() -> ModuleType:
+    """benchmarks/sft.py as a module, for its step timer, baton and in-process soup run (one way of timing for
+    every training benchmark)."""
+    if "soup_bench_sft" in sys.modules:
+        return sys.modules["soup_bench_sft"]
+    spec = importlib.util.spec_from_file_location("soup_bench_sft", HERE / "sft.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
