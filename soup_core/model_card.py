@@ -9,11 +9,16 @@ whole (temp file, then rename) with the permissions of any file the process crea
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 CARD = "README.md"
+# what read_card looks for: the lines run_card writes (change them together; tests/test_model_card.py)
+_RUN_ID = re.compile(r"^- run id: `([^`]+)`", re.M)
+_DATA_ROW = re.compile(r"^\| `data\.(\w+)` \| .*? \| (\w+) \| `(\w*)` \|", re.M)
+_CONFIG = re.compile(r"^## Config\n\n```yaml\n(.*?)\n```", re.S | re.M)
 
 
 def write_card(folder: Path, text: str) -> Path:
@@ -93,3 +98,20 @@ def merged_card(adapter_card: str | None, *, base: str, adapter: Path, version: 
 
     return (f"---\nbase_model: {json.dumps(base)}\nlibrary_name: transformers\ntags:\n- soup\n- merged\n---\n"
             f"# {Path(str(adapter)).name} (merged)\n{merge}")
+
+
+def read_card(text: str) -> dict[str, Any] | None:
+    """What :func:`run_card` wrote into a card (kept through :func:`merged_card`): ``run_id``, ``config`` (the
+    resolved config mapping) and ``data`` (``{key: (format, fingerprint prefix)}``), each None or empty when
+    the card lacks it. None for a card Soup did not write (PEFT's or trl's boilerplate, a hand-written one)."""
+    if not text.startswith("---\n") or "\ntags:\n- soup\n" not in text.partition("\n---\n")[0] + "\n":
+        return None
+    import yaml
+
+    run_id, block = _RUN_ID.search(text), _CONFIG.search(text)
+    try:
+        config = yaml.safe_load(block.group(1)) if block else None
+    except yaml.YAMLError:
+        config = None
+    return {"run_id": run_id.group(1) if run_id else None, "config": config if isinstance(config, dict) else None,
+            "data": {m.group(1): (m.group(2), m.group(3) or None) for m in _DATA_ROW.finditer(text)}}

@@ -462,6 +462,13 @@ def test_every_output_has_a_model_card_that_says_something(tiny_model: Path, tmp
     merged_card = (merged / "README.md").read_text()
     assert "library_name: transformers" in merged_card and "## Merge" in merged_card
     assert f"run id: `{run.run_id}`" in merged_card  # the run's card carried over
+    from soup_core.model_card import read_card
+    from soup_core.tracker import run_of_folder
+
+    # what the card says reads back (soup eval relies on it): the real writer, not a hand-made card
+    assert read_card(card)["data"]["train"] == ("prompt_completion", fingerprint_rows(rows)[:16])
+    found = run_of_folder(merged)
+    assert found.run_id == run.run_id and found.config == run.config and found.data_format == "prompt_completion"
     assert merged.stat().st_mode & 0o777 == out.stat().st_mode & 0o777  # not mkdtemp's 0700
 
 

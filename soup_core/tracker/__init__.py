@@ -16,6 +16,7 @@ _EXPORTS = {
     "TrackerError": "schema",
     "CRASHED": "store",
     "END_STATUSES": "store",
+    "FolderRun": "folder",
     "AmbiguousRunError": "store",
     "RunRecord": "store",
     "RunStopped": "store",
@@ -23,6 +24,7 @@ _EXPORTS = {
     "new_run_id": "store",
     "pid_alive": "store",
     "process_start_ticks": "store",
+    "run_of_folder": "folder",
     "soup_home": "store",
     "tracked_run": "store",
 }

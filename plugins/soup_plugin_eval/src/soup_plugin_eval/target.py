@@ -2,24 +2,18 @@
 
 A TARGET is an output folder (LoRA adapter, full model, or a folder `soup merge` wrote), a ``checkpoint-N``
 folder inside one, a run id (or a unique prefix) or ``latest``. Nothing is guessed: the base, the task and the
-encoding settings come from the run's resolved config, read from the tracker (whose data paths are absolute),
-else from the model card Soup wrote into the folder (README.md, whose config block is the resolved one), else
-from the folder's ``soup_config.yaml``. A folder with none of them is refused.
+encoding settings come from the run's resolved config, as the core's ``soup_core.tracker.run_of_folder`` finds
+it (the tracker's row, else the folder's model card, else its saved config): this plugin never reads the core's
+files itself. A folder with none of them is refused.
 
 Standard library and the core's light services only: ``soup --help`` imports nothing of this.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_CARD_CONFIG = re.compile(r"^## Config\n\n```yaml\n(.*?)\n```", re.S | re.M)
-_CARD_FORMAT = re.compile(r"^\| `data\.train` \| .*? \| (\w+) \| `(\w+)` \|", re.M)
 
 
 class TargetError(ValueError):
@@ -57,23 +51,6 @@ class Target:
         return self.data_format == "chat"
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _run_id(folder: Path, card: str) -> str | None:
-    for name in (".soup_run.json", ".soup.lock"):
-        run_id = _read_json(folder / name).get("run_id")
-        if isinstance(run_id, str):
-            return run_id
-    match = re.search(r"^- run id: `([^`]+)`", card, re.M)
-    return match.group(1) if match else None
-
-
 def _folder_of(spec: str) -> tuple[Path, Any]:
     """The folder ``spec`` names and its tracker record (None when found by path and not tracked)."""
     from soup_core.tracker import AmbiguousRunError, Tracker
@@ -96,49 +73,21 @@ def _folder_of(spec: str) -> tuple[Path, Any]:
     return Path(record.output_dir), record
 
 
-def _config_mapping(run_dir: Path, card: str, record: Any) -> tuple[dict[str, Any], str]:
-    """The run's resolved config as a mapping, and where it was read."""
-    if record is not None and record.config:
-        return dict(record.config), f"the tracker's run {record.run_id}"
-    import yaml
-
-    match = _CARD_CONFIG.search(card)
-    sources = [(match.group(1), str(run_dir / "README.md"))] if match else []
-    saved = run_dir / "soup_config.yaml"
-    if saved.is_file():
-        sources.append((saved.read_text(encoding="utf-8"), str(saved)))
-    for text, source in sources:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError:
-            continue
-        if isinstance(data, dict):
-            return data, source
-    raise TargetError(f"{run_dir} holds no Soup run: no soup_config.yaml, no model card with the run's config, "
-                      "and no tracker row, so its base, chat template and encoding are unknown. Give the output "
-                      "folder of a soup train run (or a folder soup merge wrote)")
-
-
 def resolve(spec: str, *, plugins: Any = None) -> Target:
     """Resolve ``spec`` to a :class:`Target`; raises :class:`TargetError` saying what is wrong."""
-    from soup_core import ConfigError, Tracker
+    from soup_core import ConfigError
     from soup_core.config import validate_config
+    from soup_core.tracker import run_of_folder
 
     folder, record = _folder_of(spec)
-    run_dir = folder
-    if CHECKPOINT.match(folder.name) and any((folder.parent / n).is_file() for n in ("soup_config.yaml", "README.md")):
-        run_dir = folder.parent
-    card_path = run_dir / "README.md"
-    card = card_path.read_text(encoding="utf-8", errors="replace") if card_path.is_file() else ""
-    run_id = record.run_id if record is not None else _run_id(run_dir, card)
-    if record is None and run_id:
-        try:
-            record = Tracker().get_run(run_id)
-        except Exception:  # noqa: BLE001 - an unreadable tracker leaves the folder's own files
-            record = None
-    mapping, source = _config_mapping(run_dir, card, record)
+    run = run_of_folder(folder)
+    if run is None:
+        raise TargetError(f"{folder} holds no Soup run: no soup_config.yaml, no model card with the run's config, "
+                          "and no tracker row, so its base, chat template and encoding are unknown. Give the output "
+                          "folder of a soup train run (or a folder soup merge wrote)")
+    run_dir, source = run.run_dir, run.config_source
     try:
-        config = validate_config(mapping, plugins=plugins, source=source)
+        config = validate_config(run.config, plugins=plugins, source=source)
     except ConfigError as exc:
         raise TargetError(f"{spec}: the run's config ({source}) does not validate with the installed plugins:\n"
                           f"{exc}") from None
@@ -152,10 +101,10 @@ def resolve(spec: str, *, plugins: Any = None) -> Target:
         what = "a checkpoint" if folder != run_dir else "an output folder"
         raise TargetError(f"{folder} is {what} with no model in it (no adapter_config.json, no config.json): the "
                           "run may have failed before saving; give one of its checkpoint-N folders, or train again")
-    match = _CARD_FORMAT.search(card)
-    data_format = config.data.format if config.data.format != "auto" else (match.group(1) if match else None)
+    data_format = config.data.format if config.data.format != "auto" else run.data_format
+    run_id = run.run_id or getattr(record, "run_id", None)
     target = Target(spec=spec, kind=kind, weights=folder, config=config, run_id=run_id, run_dir=run_dir,
-                    data_format=data_format, fingerprint=match.group(2) if match else None)
+                    data_format=data_format, fingerprint=run.fingerprint)
     if data_format is None:
         target.data_format = _detect_format(config, plugins)
     return target
