@@ -133,3 +133,23 @@ def test_a_task_without_a_token_encoding_is_refused() -> None:
     with pytest.raises(TargetError, match="no training encoding"):
         encode(target, SimpleNamespace(tasks={"t": NoEncode}), [{"text": "a"}], None)
     assert len(encode(target, SimpleNamespace(tasks={"t": Encodes}), [{"text": "a"}], None)) == 1  # the control
+
+
+def test_data_is_read_in_the_format_of_the_runs_own_entry_for_it(tmp_path: Path) -> None:
+    from soup_core import load_plugins
+    from soup_core.config import validate_config
+
+    from soup_plugin_eval.evaluate import data_format
+
+    for name in ("a.jsonl", "b.csv", "c.jsonl"):
+        (tmp_path / name).write_text("")
+    a, b, c = (tmp_path / n for n in ("a.jsonl", "b.csv", "c.jsonl"))
+
+    def config(train: object, fmt: str = "chat") -> object:
+        return validate_config({"base": "x", "data": {"train": train, "format": fmt}}, plugins=load_plugins())
+
+    mixed = config([str(a), {"path": str(b), "format": "alpaca", "weight": 2}])
+    assert data_format(mixed, b) == "alpaca"  # the run read b.csv as alpaca, not as its data.format
+    assert data_format(mixed, a) == "chat"
+    assert data_format(mixed, c) == "auto"  # another file, and the run's files had two formats
+    assert data_format(config(str(a)), c) == "chat"  # control: one format for the whole run is kept

@@ -43,6 +43,20 @@ class Scores:
 Origin = Callable[[int], "tuple[str, int] | None"]
 
 
+def data_format(config: Any, data: Path) -> str:
+    """The format to read ``data`` in: that of the run's own entry for the same file, else the run's
+    ``data.format`` when all its files shared one, else ``auto`` (its files were read in several formats)."""
+    entries = config.data.train if isinstance(config.data.train, list) else [config.data.train]
+    formats = set()
+    for entry in entries:
+        path, fmt = (entry.get("path"), entry.get("format")) if isinstance(entry, dict) else (entry, None)
+        fmt = fmt or config.data.format
+        if path and Path(path).expanduser().resolve() == data.expanduser().resolve():
+            return fmt
+        formats.add(fmt)
+    return formats.pop() if len(formats) == 1 else "auto"
+
+
 def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dict[str, Any]], str, Origin]:
     """The rows to score, what they are, and where row ``i`` came from (file, line): ``data`` read as the run's
     task reads training rows, or (None) the run's own validation split, rebuilt from its data and checked
@@ -55,7 +69,7 @@ def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dic
         raise TargetError(f"the run's task {config.task!r} is not registered (is its plugin installed?)")
     accepted = task.formats or None
     if data is not None:
-        section = {"train": str(data), "format": config.data.format, "val_split": 0.0, "on_bad_row": "error"}
+        section = {"train": str(data), "format": data_format(config, data), "val_split": 0.0, "on_bad_row": "error"}
         built = build_training_list(section, formats=plugins.data_formats, accepted=accepted)
         return built.rows, str(data), built.origin
     if not config.data.val_split:
