@@ -220,7 +220,6 @@ def test_a_quarantined_row_of_the_second_file_is_named_by_that_file_and_line(tmp
 
     import soup_core
     from soup_plugin_rewind.guard import QUARANTINE_FILE, SpikeGuard
-    from soup_plugin_rewind.locate import SAVED_CONFIG
 
     chat = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]}
             for i in range(4)]
@@ -231,7 +230,7 @@ def test_a_quarantined_row_of_the_second_file_is_named_by_that_file_and_line(tmp
     built = soup_core.build_training_list(data, formats=dict(soup_core.load_plugins().data_formats.items()))
     out = tmp_path / "out"
     out.mkdir()
-    (out / SAVED_CONFIG).write_text(json.dumps({"task": "sft", "data": data}), encoding="utf-8")  # YAML reads JSON
+    (out / "soup_config.yaml").write_text(json.dumps({"task": "sft", "data": data}))  # YAML reads JSON
     guard = SpikeGuard()
     guard.start, guard.out = SimpleNamespace(fingerprint=built.fingerprint), out
     guard._quarantine(7, [SimpleNamespace(row=5, share=0.9), SimpleNamespace(row=1, share=0.05)])

@@ -146,16 +146,10 @@ class SpikeGuard(Controller):
         soup_core.atomic_write(self.out / QUARANTINE_FILE, "".join(json.dumps(r) + "\n" for r in records))
 
     def _rebuild(self) -> Any:
-        """The run's training list, rebuilt once from its saved config: it says where each row came from."""
+        """The run's training list, rebuilt once from its config: it says where each row came from."""
         if self._rebuilt is None and self.start is not None and self.out is not None:
-            import yaml
-
-            from soup_plugin_rewind.locate import SAVED_CONFIG
+            from soup_plugin_rewind.locate import run_config
             from soup_plugin_rewind.preview import rebuild
 
-            try:
-                config = yaml.safe_load((self.out / SAVED_CONFIG).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                config = None
-            self._rebuilt = rebuild(config, self.start.fingerprint, self.out)
+            self._rebuilt = rebuild(run_config(self.out), self.start.fingerprint, self.out)
         return self._rebuilt

@@ -2,7 +2,8 @@
 
 A run is looked up in the tracker (read only: reading never creates the database); its log is searched in
 the run's recorded output folder, then ``<output>/<experiment_name>`` and ``<output>`` from its saved
-config, so a run that crashed before its folder was recorded can still be read.
+config, so a run that crashed before its folder was recorded can still be read. The config of a run found by
+its folder comes from ``soup_core.tracker.run_of_folder``: this plugin reads none of the core's files itself.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from soup_plugin_rewind.logfile import LOG_FILE_PATTERN, LOG_NAME, log_name
-
-SAVED_CONFIG = "soup_config.yaml"  # what a run writes into its output folder
 
 
 class NotFound(Exception):
@@ -58,20 +57,12 @@ def _log_in(folder: Path) -> Path | None:
     return ranked[0][1] if ranked else None
 
 
-def _saved_config(folder: Path) -> dict[str, Any] | None:
-    """The config a run saved beside its log (``soup_config.yaml``), or None."""
-    path = folder / SAVED_CONFIG
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-    import yaml  # a core dependency; only needed here
+def run_config(folder: Path) -> dict[str, Any] | None:
+    """The config of the run whose output folder ``folder`` is (the core finds it: tracker, card, saved config)."""
+    from soup_core.tracker import run_of_folder
 
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    return data if isinstance(data, dict) else None
+    run = run_of_folder(folder)
+    return run.config if run is not None else None
 
 
 def _tracker() -> Any:
@@ -83,21 +74,6 @@ def _tracker() -> Any:
         raise NotFound(
             "this soup-core has no run tracker; pass the path of a rewind.jsonl or an output folder"
         ) from exc
-
-
-def _run_for_folder(folder: Path) -> Any:
-    """The newest tracked run whose output folder is ``folder`` (for the saved config), or None."""
-    try:
-        tracker = _tracker()
-        if not Path(tracker.path).exists():
-            return None
-        target = folder.resolve()
-        for record in tracker.list_runs(None):
-            if record.output_dir and Path(record.output_dir).resolve() == target:
-                return record
-    except Exception:  # noqa: BLE001 - the tracker is a convenience for a bare path, never required
-        return None
-    return None
 
 
 def from_path(ref: str) -> Target:
@@ -112,11 +88,7 @@ def from_path(ref: str) -> Target:
         log, folder = path, path.parent
     else:
         raise NotFound(f"{path}: no such file or folder")
-    config = _saved_config(folder)
-    record = _run_for_folder(folder)
-    if config is None and record is not None:
-        config = record.config or None
-    return Target(log=log, run_id=None, config=config, output_dir=folder)
+    return Target(log=log, run_id=None, config=run_config(folder), output_dir=folder)
 
 
 def candidate_folders(record: Any) -> list[Path]:
@@ -159,7 +131,7 @@ def from_run(ref: str) -> Target:
             return Target(
                 log=log,
                 run_id=record.run_id,
-                config=record.config or _saved_config(folder),
+                config=record.config or run_config(folder),
                 output_dir=folder,
                 searched=folders,
                 status=str(getattr(record, "status", "") or ""),
