@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "fsdp_gpu.json"
+import _common
+
+RESULTS = _common.RESULTS / "fsdp_gpu.json"
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = '''
@@ -193,14 +194,11 @@ def main() -> None:
         "fsdp_over_ddp_peak_memory_median": statistics.median(memory),
         "max_relative_loss_difference": drift,
         "runs": [{k: v for k, v in r.items() if k != "losses"} for r in runs],
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **_common.machine(torch=torch.__version__),
     }
     print(json.dumps(result, indent=1))
     if args.record:
-        from soup_core.io import atomic_write
-
-        atomic_write(RESULTS, json.dumps(result, indent=1) + "\n")
+        _common.record("fsdp_gpu", result)
 
 
 if __name__ == "__main__":

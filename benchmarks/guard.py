@@ -20,35 +20,27 @@ the trainable weights and the update's size) as a share of a step.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "guard.json"
+RESULTS = _common.RESULTS / "guard.json"
 WAIT_S = 900.0  # no wait for the baton lasts this long unless something is broken
 #: the arms: extra ``training:`` lines. ``off-again`` is ``off`` once more, the A/A control: how far two
 #: identical arms read apart in the same run
 ARMS = {"guarded": "  spike_guard: quarantine\n", "off": "  watchdog: false\n", "off-again": "  watchdog: false\n"}
 
 
-def _sft_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("soup_bench_sft", HERE / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+_sft_bench = _common.sft_bench
+say = _common.say
 
 
 class ProcessBaton:
@@ -293,21 +285,17 @@ def main() -> None:
             "watchdog_snapshot_cpu_ms_per_step": round(snapshot_ms, 4),
             "pct_of_median_step_cpu": round(100 * (guard_ms + snapshot_ms) / step_cpu_ms, 3),
         },
-        "machine": sft.machine(),
-        "date": time.strftime("%Y-%m-%d"),
-        "note": sft.SHARED_NOTE,
+        **sft.machine(),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    print(text, end="")
+    print(json.dumps(result, indent=2))
     if args.record:
-        from soup_core.io import atomic_write
+        def keep_earlier(old: Any) -> dict[str, Any]:
+            # earlier runs are kept: on a shared machine one run is one sample of the noise
+            if not isinstance(old, dict):
+                return result
+            return {**result, "earlier": [*old.pop("earlier", []), old]}
 
-        if RESULTS.is_file():  # earlier runs are kept: on a shared machine one run is one sample of the noise
-            earlier = json.loads(RESULTS.read_text(encoding="utf-8"))
-            result["earlier"] = [*earlier.pop("earlier", []), earlier]
-            text = json.dumps(result, indent=2) + "\n"
-        atomic_write(RESULTS, text)
-        say(f"wrote {RESULTS}")
+        _common.record("guard", result, keep_earlier)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the median of the pair ratios (on over off) after a warm-up (the compiled graphs
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -23,17 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "mlx_watchdog.json"
+RESULTS = _common.RESULTS / "mlx_watchdog.json"
 ARMS = {"on": "", "off": "  watchdog: false\n"}
 
 
-def _sft_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("soup_bench_sft", HERE / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_sft_bench = _common.sft_bench
 
 
 def _rows(n: int) -> str:
@@ -114,17 +110,11 @@ def main() -> None:
         "ms_per_step": {arm: round(1000 * statistics.median(v), 3) for arm, v in times.items()},
         "overhead_pct": round((statistics.median(ratios) - 1) * 100, 2),
         "pair_ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
-        "machine": sft.machine(),
-        "date": time.strftime("%Y-%m-%d"),
-        "note": sft.SHARED_NOTE,
+        **sft.machine(),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    print(text, end="")
+    print(json.dumps(result, indent=2))
     if args.record:
-        from soup_core.io import atomic_write
-
-        atomic_write(RESULTS, text)
-        print(f"wrote {RESULTS}", file=sys.stderr)
+        _common.record("mlx_watchdog", result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Usage: python benchmarks/rewind.py [--rounds 6] [--steps 15] [--reader-pairs 5] 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,25 +32,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "rewind.json"
+RESULTS = _common.RESULTS / "rewind.json"
 REPO = HERE.parent
 
 
-def _sft_bench() -> Any:
-    """benchmarks/sft.py, for its step timer and its in-process soup run (one way of timing for both)."""
-    spec = importlib.util.spec_from_file_location("soup_bench_sft", HERE / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+_sft_bench = _common.sft_bench
+say = _common.say
 
 
 # ------------------------------------------------------------------------------------ recorder overhead
@@ -375,9 +367,7 @@ def main() -> None:
         result["reader"] = reader(args.reader_pairs, args.micro_batches)
     if not args.skip_recorder:
         result["recorder"] = recorder_overhead(args.rounds, args.steps, args.warmup)
-    sft = sys.modules.get("soup_bench_sft") or _sft_bench()
-    result.update(sft.machine())
-    result["date"] = time.strftime("%Y-%m-%d")
+    result.update(_sft_bench().machine())
     goals: dict[str, bool] = {}
     if "reader" in result:
         goals["reader_time"] = result["reader"]["median_ratio_reader_over_json_loads"] <= 2.0
@@ -389,11 +379,14 @@ def main() -> None:
         goals["recorder_direct"] = result["recorder"]["direct"]["pct_of_median_step_cpu"] <= 2.0
     result["meets_goals"] = goals
     print(json.dumps(result, indent=2))
-    if args.record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        tmp = RESULTS.with_name(f".{RESULTS.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, RESULTS)
+    if args.record:  # a part skipped keeps its recorded section and verdicts
+        def merge(old: Any) -> dict[str, Any]:
+            old = old if isinstance(old, dict) else {}
+            kept = {p: old[p] for p in ("reader", "recorder") if p not in result and p in old}
+            kept_goals = {k: v for k, v in old.get("meets_goals", {}).items() if k.split("_")[0] in kept}
+            return {**result, **kept, "meets_goals": {**kept_goals, **goals}}
+
+        _common.record("rewind", result, merge)
 
 
 if __name__ == "__main__":

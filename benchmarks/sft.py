@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -49,10 +48,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _common
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = Path(__file__).parent / "results" / "sft.json"
+RESULTS = _common.RESULTS / "sft.json"
 
 #: The model and batch: sized so one LoRA step takes well over 200 ms on one CPU thread.
 HIDDEN, LAYERS, BATCH, MAX_LENGTH, N_ROWS = 128, 4, 4, 256, 64
@@ -369,20 +370,11 @@ def per_row_direct(kept: tuple[Any, Any], reps: int = 300) -> float:
 
 
 def machine() -> dict[str, Any]:
-    """The machine a result was measured on (shared: the load average at the end says how busy)."""
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
+    """The machine a result was measured on, with torch's version and threads (shared: the load average at
+    the end says how busy)."""
     import torch
 
-    return {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}, Python "
-        f"{platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} thread",
-        "processor": platform.processor() or None,
-        "load_average_at_end": load,
-        "note": SHARED_NOTE,
-    }
+    return _common.machine(torch=torch.__version__, threads=torch.get_num_threads(), note=SHARED_NOTE)
 
 
 Arm = Callable[[StepTimer], None]
@@ -603,7 +595,6 @@ def main() -> None:
             "resolve on this machine",
         },
         **machine(),
-        "date": time.strftime("%Y-%m-%d"),
     }
     result["meets_goals"] = {
         "steps_per_s": result["steps_per_s_ratio_soup_over_trl"] >= 0.95,
@@ -612,10 +603,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        tmp_path = RESULTS.with_name(f".{RESULTS.name}.tmp")
-        tmp_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp_path, RESULTS)
+        _common.record("sft", result)
 
 
 if __name__ == "__main__":

@@ -14,26 +14,21 @@ in eight), and the result is the median of the pair ratios (windowed over every 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import _common
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "watchdog_snapshot.json"
+RESULTS = _common.RESULTS / "watchdog_snapshot.json"
 
 
-def _sft_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("soup_bench_sft", HERE / "sft.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+_sft_bench = _common.sft_bench
 
 
 def _gate(gate_mod: Any, limit: int) -> Any:
@@ -122,17 +117,11 @@ def main() -> None:
         "ms_per_step": {arm: round(1000 * statistics.median(t) / window, 4) for arm, t in totals.items()},
         "window_over_every_median": round(statistics.median(ratios), 3),
         "goal": "window <= every (no worse than the per-step copy)",
-        "machine": sft.machine(),
-        "date": time.strftime("%Y-%m-%d"),
-        "note": sft.SHARED_NOTE,
+        **sft.machine(),
     }
-    text = json.dumps(result, indent=2) + "\n"
-    print(text, end="")
+    print(json.dumps(result, indent=2))
     if args.record:
-        from soup_core.io import atomic_write
-
-        atomic_write(RESULTS, text)
-        print(f"wrote {RESULTS}", file=sys.stderr)
+        _common.record("watchdog_snapshot", result)
 
 
 if __name__ == "__main__":
