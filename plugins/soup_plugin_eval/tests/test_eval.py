@@ -138,7 +138,6 @@ def test_a_task_without_a_token_encoding_is_refused() -> None:
 def test_data_is_read_in_the_format_of_the_runs_own_entry_for_it(tmp_path: Path) -> None:
     from soup_core import load_plugins
     from soup_core.config import validate_config
-
     from soup_plugin_eval.evaluate import data_format
 
     for name in ("a.jsonl", "b.csv", "c.jsonl"):
