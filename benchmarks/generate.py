@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -35,10 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-RESULTS = Path(__file__).parent / "results" / "generate.json"
+RESULTS = _common.RESULTS / "generate.json"
 HIDDEN, LAYERS = 128, 4
 
 
@@ -193,17 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {"prompts": args.prompts, "batch": args.batch, "max_new_tokens": args.max_new_tokens,
                          "greedy": True, "padding": "left", "model": f"tiny llama hidden {HIDDEN}, {LAYERS} layers, "
                          "LoRA r 8 adapter", "rounds": args.rounds, "prompts_per_turn": args.per_turn},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-                        "note": "shared machine: other jobs run at the same time; compare ratios, not times"},
-            "date": time.strftime("%Y-%m-%d"),
+            **_common.machine(torch=torch.__version__, transformers=transformers.__version__,
+                              threads=torch.get_num_threads(),
+                              note="shared machine: other jobs run at the same time; compare ratios, not times"),
         }
         print(json.dumps(result, indent=2))
         if args.record:
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            tmp = RESULTS.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, RESULTS)
+            _common.record("generate", result)
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -45,11 +44,15 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# This file is named mlx.py: without this, `import mlx` from its own folder would import this script.
+# This file is named mlx.py: without this, `import mlx` from its own folder would import this script. Its
+# folder is put back just for _common, as the arms' spawned processes start without it.
 _HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+import _common  # noqa: E402
+
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-RESULTS = Path(__file__).parent / "results" / "mlx.json"
+RESULTS = _common.RESULTS / "mlx.json"
 HIDDEN, LAYERS, BATCH, LENGTH, N_ROWS, LR = 64, 2, 4, 128, 64, 1e-4
 WAIT_S = 900.0  # no turn lasts this long unless something is broken
 PROJECTIONS = [
@@ -324,21 +327,16 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_steps_dropped": args.warmup,
                 "lora": "r 8, alpha 16, dropout 0.05, q/k/v/o/gate/up/down of every layer",
             },
-            "machine": {
-                "platform": platform.platform(),
-                "device": str(mx.default_device()),
-                "mlx": mx.__version__,
-                "mlx_lm": mlx_lm.__version__,
-                "cpus": os.cpu_count(),
-                "note": "shared machine: other jobs run at the same time; compare ratios, not times",
-            },
+            **_common.machine(
+                device=str(mx.default_device()),
+                mlx=mx.__version__,
+                mlx_lm=mlx_lm.__version__,
+                note="shared machine: other jobs run at the same time; compare ratios, not times",
+            ),
         }
         print(json.dumps(result, indent=2))
         if args.record:
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            tmp = RESULTS.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, RESULTS)
+            _common.record("mlx", result)
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import _common
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -209,7 +209,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--base", type=Path, default=None, help="a model folder (default: the tiny model)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "rl.json")
+    parser.add_argument("--out", type=Path, default=_common.RESULTS / "rl.json")
     opts = parser.parse_args()
     import torch
 
@@ -252,22 +252,12 @@ def main() -> int:
         "met": ratio >= 0.95,
         "pairs": pairs,
         "settings": {**SETTINGS, "steps_per_run": opts.steps, "base": str(opts.base)},
-        "machine": {
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "threads": torch.get_num_threads(),
-        },
-        "recorded": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **_common.machine(torch=torch.__version__, device="cuda" if torch.cuda.is_available() else "cpu",
+                          threads=torch.get_num_threads()),
     }
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = opts.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, opts.out)
+    _common.record(opts.out, result)
     verdict = "met" if result["met"] else "NOT met"
     print(f"median ratio (trl step time / soup step time): {ratio:.3f} — goal 0.95 {verdict}")
-    print(f"recorded in {opts.out}")
     return 0
 
 

@@ -41,7 +41,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -55,6 +54,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "soup_plugin_streaming" / "src")]
+if str(HERE) not in sys.path:  # loaded by file path (its tests), not run as a script
+    sys.path.insert(0, str(HERE))
+
+import _common  # noqa: E402
 
 from soup_plugin_streaming import harness, preflight  # noqa: E402
 
@@ -75,13 +78,10 @@ MEMORY_LOAD_NOTE = (
 def machine() -> dict[str, Any]:
     import torch
 
-    info = harness.machine()
-    info["torch"] = torch.__version__
-    info["threads"] = torch.get_num_threads()
-    info["processor"] = platform.processor() or None
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    info = harness.machine()  # adds the CPU's model name and transparent huge pages, which move memory
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    return _common.machine(cpu=info["cpu"], thp=info["thp"], torch=torch.__version__,
+                           threads=torch.get_num_threads(), **gpu)
 
 
 # ----------------------------------------------------------------------------------------- (a) speed
@@ -533,7 +533,8 @@ def larger_than_memory(work: Path, *, limit: int, batch: int, seq: int, steps: i
 PARTS = {"speed": "speed", "memory": "memory", "larger": "larger_than_memory"}
 #: top-level keys that describe one whole run of the script (machine, load, duration)
 RUN_KEYS = (
-    "note", "cpu", "machine", "load_average", "thp", "torch", "threads", "processor", "gpu", "seconds"
+    "note", "cpu", "machine", "cpus", "date", "load_average", "thp", "torch", "threads", "processor", "gpu",
+    "seconds"
 )  # fmt: skip
 
 
@@ -622,15 +623,15 @@ def main(argv: list[str] | None = None) -> int:
     def recorded(part: str, part_started: float, load_start: list[float]) -> dict[str, Any]:
         return {
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **{k: result[k] for k in RUN_KEYS if k in result and k not in ("seconds", "load_average")},
+            **{k: result[k] for k in RUN_KEYS if k in result and k not in ("seconds", "load_average", "date")},
             **({"note": MEMORY_LOAD_NOTE} if part != "speed" and args.device == "cpu" else {}),
             "load_average_start": load_start,
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+            "load_average_end": _common.load_average(),
             "seconds": round(time.time() - part_started),
         }
 
     for part in parts:
-        part_started, load_start = time.time(), [round(x, 2) for x in os.getloadavg()]
+        part_started, load_start = time.time(), _common.load_average()
         if part == "speed":
             print("(a) speed ...", flush=True)
             result["speed"] = speed(
@@ -664,15 +665,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result["larger_than_memory"], indent=1), flush=True)
         result[PARTS[part]]["recorded"] = recorded(part, part_started, load_start)
     result["seconds"] = round(time.time() - started)
-    result["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["load_average_end"] = _common.load_average()
     if args.record:
-        path = RESULTS / ("streaming.json" if args.device == "cpu" else "streaming_cuda.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        old = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(merge_record(old, result, parts), indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        print(f"recorded {path}")
+        name = "streaming" if args.device == "cpu" else "streaming_cuda"
+        _common.record(name, result, lambda old: merge_record(old if isinstance(old, dict) else None, result, parts))
     return 0
 
 
