@@ -65,25 +65,30 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     # the rows are read and validated on another core while the deep probe imports the backend's libraries
     ahead = [fill_ahead(config.data, formats=formats, base_dir=base_dir, key=key,
                         accepted=task_cls.formats or None) for key in keys if getattr(config.data, key, None)]
-    problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
-    if problems:
-        raise RunRefused("\n".join(problems))
-    plan = Plan(config=config, output_dir=output_dir_for(config), base_dir=base_dir)
-    _resolve_resume(plan)
-    for plugin, report in plugins.call_preflight(config):
-        plan.preflight.append((plugin, report))
-        if report.refusal:
-            fix = f"\n  fix: {report.fix}" if report.fix else ""
-            raise RunRefused(f"pre-flight check of plugin {plugin!r} refused the run: {report.refusal}{fix}")
-    for key in task_cls.data_keys:
-        attr = key.split(".", 1)[1]
-        if getattr(config.data, attr, None) is None:
-            continue  # optional data keys (required ones were enforced by the config)
-        training = cached_training_list(  # read, validated and stored once per content of the files
-            config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None
-        )
-        plan.data[attr] = training
-        plan.lines.append(f"data.{attr}: {summarize(training)}")
+    try:
+        problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
+        if problems:
+            raise RunRefused("\n".join(problems))
+        plan = Plan(config=config, output_dir=output_dir_for(config), base_dir=base_dir)
+        _resolve_resume(plan)
+        for plugin, report in plugins.call_preflight(config):
+            plan.preflight.append((plugin, report))
+            if report.refusal:
+                fix = f"\n  fix: {report.fix}" if report.fix else ""
+                raise RunRefused(f"pre-flight check of plugin {plugin!r} refused the run: {report.refusal}{fix}")
+        for key in task_cls.data_keys:
+            attr = key.split(".", 1)[1]
+            if getattr(config.data, attr, None) is None:
+                continue  # optional data keys (required ones were enforced by the config)
+            training = cached_training_list(  # read, validated and stored once per content of the files
+                config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None
+            )
+            plan.data[attr] = training
+            plan.lines.append(f"data.{attr}: {summarize(training)}")
+    except BaseException:  # refused or interrupted: no fill goes on after soup has exited
+        for reap in ahead:
+            reap(stop=True)
+        raise
     for reap in ahead:
         reap()
     _refuse_other_files(plan)

@@ -95,3 +95,44 @@ def test_plan_run_fills_the_rows_ahead(tmp_path, soup_home, tiny_model, monkeypa
     plan = plan_run(load_config(tmp_path / "soup.yaml"), plugins=load_plugins(), base_dir=tmp_path)
     assert plan.data["train"].n_rows == len(ROWS) and plan.data["train"].rows[7] == ROWS[7]
     assert len(fills()) == 1 and (fills()[0] != os.getpid()) is ahead
+
+
+def test_a_refused_run_stops_its_fill_ahead(tmp_path, soup_home, tiny_model, monkeypatch):
+    import time
+
+    from soup_core.config import load_config
+    from soup_core.data import rows_cache
+    from soup_core.data.cache import cache_root
+    from soup_core.plugins import load_plugins
+    from soup_core.run import RunRefused, plan_run
+    from soup_core.testing import write_yaml
+
+    started = tmp_path / "started"
+    real = rows_cache._stream_fill
+
+    def slow(*args, **kwargs):  # the child's fill, long enough to be still running when the run is refused
+        started.write_text(str(os.getpid()))
+        time.sleep(120)
+        return real(*args, **kwargs)
+
+    plugins = load_plugins()
+
+    def refuse(**_):
+        while not started.exists():
+            time.sleep(0.05)
+        return ["refused by the test"]
+
+    monkeypatch.setattr(rows_cache, "_stream_fill", slow)
+    monkeypatch.setattr(rows_cache, "AHEAD_BYTES", 1)
+    monkeypatch.setattr(plugins, "requirements_for", refuse)
+    write_jsonl(tmp_path / "t.jsonl", ROWS)
+    write_yaml(tmp_path / "soup.yaml", {"base": str(tiny_model), "task": "sft", "output": str(tmp_path / "out"),
+                                        "data": {"train": "t.jsonl", "max_length": 64}})
+    began = time.monotonic()
+    with pytest.raises(RunRefused, match="refused by the test"):
+        plan_run(load_config(tmp_path / "soup.yaml"), plugins=plugins, base_dir=tmp_path)
+    assert time.monotonic() - began < 60  # not waiting for the fill
+    with pytest.raises(ProcessLookupError):  # stopped and reaped (control: a fill left running answers here)
+        os.kill(int(started.read_text()), 0)
+    root = cache_root()
+    assert not root.exists() or not [p for p in root.iterdir() if p.name.startswith(".tmp-")]

@@ -221,13 +221,16 @@ AHEAD_BYTES = 4 << 20
 
 
 def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None = None, key: str = "train",
-               accepted: Sequence[str] | None = None) -> Callable[[], None]:
+               accepted: Sequence[str] | None = None) -> Callable[..., None]:
     """Start filling the rows cache for ``data`` in a forked process, so that reading and validating the rows
     runs on another core while this one imports the backend's libraries (the deep probe); returns a function
-    that reaps it. The later :func:`cached_training_list` takes the entry's lock, so it waits for this fill
+    that reaps it (``reap(stop=True)`` stops it first: the run was refused and nothing will read the fill, so
+    no process goes on filling after soup has exited). The later :func:`cached_training_list` takes the
+    entry's lock, so it waits for this fill
     and reads it; a fill that failed left nothing, so that call fills again and reports what is wrong. Only
     on Linux, never once CUDA is initialised, and for data big enough to pay for the process."""
     import os
+    import signal
     import sys
 
     try:
@@ -245,6 +248,8 @@ def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None =
     if pid == 0:  # the child: fill, say nothing (the parent reports), never return into the parent's code
         code = 0
         try:
+            # stopped by the parent (its run refused): unwind, so the fill removes its temp folder
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
@@ -253,10 +258,12 @@ def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None =
             code = 1
         os._exit(code)
 
-    def reap() -> None:
+    def reap(stop: bool = False) -> None:
         import contextlib
 
-        with contextlib.suppress(ChildProcessError):
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            if stop:
+                os.kill(pid, signal.SIGTERM)
             os.waitpid(pid, 0)
 
     return reap
