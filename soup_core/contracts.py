@@ -144,6 +144,9 @@ class Backend:
     #: False for a backend that trains in one process: a run of several (``soup train --nproc N``, or a
     #: launcher) is then refused before any data or model is loaded, and before ``--nproc`` launches.
     multi_process: ClassVar[bool] = True
+    #: True for a backend whose trainer runs (part of) the watchdog itself and whose plugin's pre-flight says
+    #: which of its rules run (``watchdog off: ...``); for the others the transformers plugin says it is off.
+    runs_watchdog: ClassVar[bool] = False
 
     def train(self, context: Any) -> Any:  # pragma: no cover - interface
         raise NotImplementedError

@@ -237,11 +237,11 @@ def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None =
         paths = [_resolve(raw, base_dir) for raw, _, _ in _entries(_get(data, key), key)]
         size = sum(path.stat().st_size for path in paths if path.is_file())
     except (OSError, DataError, TypeError, ValueError):
-        return lambda: None
+        return lambda stop=False: None
     torch = sys.modules.get("torch")
     cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
     if not sys.platform.startswith("linux") or cuda or size < AHEAD_BYTES:
-        return lambda: None
+        return lambda stop=False: None
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()

@@ -81,8 +81,11 @@ def soup_register_config_fields() -> list[ConfigField]:
     )]
 
 
-#: Backends whose plugin runs (part of) the watchdog in its own trainer and says so in its own pre-flight.
-RUN_THEIR_OWN_WATCHDOG = frozenset({"mlx"})
+def _runs_its_own_watchdog(backend: str) -> bool:
+    """Whether ``backend``'s plugin runs (part of) the watchdog in its own trainer and says so itself."""
+    from soup_core import load_plugins
+
+    return bool(getattr(load_plugins().backends.get(backend), "runs_watchdog", False))
 
 
 @hookimpl
@@ -90,7 +93,7 @@ def soup_preflight(config: Any) -> PreflightReport | None:
     """What this backend can check without loading weights (the base, report_to, the output path), so a dry
     run fails where the run would."""
     if getattr(config, "backend", None) != "transformers":
-        if getattr(config, "training", None) is None or config.backend in RUN_THEIR_OWN_WATCHDOG:
+        if getattr(config, "training", None) is None or _runs_its_own_watchdog(config.backend):
             return None
         watchdog = getattr(config.training, "watchdog", None)
         if watchdog is None:  # the watchdog lives in this backend's trainer

@@ -17,6 +17,7 @@ class MLXBackend(Backend):
     name = BACKEND_NAME
     description = "Apple MLX + mlx-lm (LoRA or full fine-tuning; Metal on Apple silicon, else CPU)"
     multi_process = False  # soup train --nproc N is refused before anything is launched
+    runs_watchdog = True  # the non-finite rule runs in its trainer; its pre-flight says the rest is off
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run; returns its summary (status, steps, losses, tokens/s, ...)."""
