@@ -229,36 +229,6 @@ def test_few_collections_collects_the_oldest_generation_rarely_then_as_before() 
     assert rare == 0 and full_collections() > 0  # control: at the thresholds restored, some full collections
 
 
-def test_few_collections_freezes_what_set_up_left_alive_after_collecting_its_garbage() -> None:
-    import gc
-    import weakref
-
-    from soup_core.default_plugins.transformers.imports import few_collections
-
-    class Node:
-        other: object = None
-
-    def garbage_cycle() -> weakref.ref:
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        return weakref.ref(a)
-
-    gc.disable()  # no collection but the ones the blocks make
-    try:
-        with few_collections():  # control: without freeze, a cycle dropped in set-up is still there
-            kept = garbage_cycle()
-        assert kept() is not None
-        with few_collections(freeze=True):
-            dropped = garbage_cycle()
-            alive = Node()
-        assert dropped() is None and kept() is None  # collected, not frozen with what lives on
-        assert gc.get_freeze_count() > 0 and alive is not None
-    finally:
-        gc.unfreeze()
-        gc.enable()
-    assert gc.get_freeze_count() == 0
-
-
 def test_known_packages_answers_packages_distributions_once_per_installation(tmp_path, soup_home,
                                                                              monkeypatch) -> None:
     import importlib.metadata as metadata

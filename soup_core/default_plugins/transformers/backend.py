@@ -273,8 +273,6 @@ class TransformersBackend(Backend):
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run (see :class:`PreparedRun`); returns its summary."""
-        import gc
-
         from soup_core.default_plugins.transformers.imports import (
             SCIPY,
             few_collections,
@@ -285,10 +283,7 @@ class TransformersBackend(Backend):
 
         with without(SCIPY):  # only while transformers imports: a plugin's own code may use scipy in the run
             import transformers.modeling_utils  # noqa: F401
-        try:
-            # imports, the model, the trainer; then training, where a plugin may import what it likes
-            with without(*unused_by(context.config)), few_collections(freeze=True), known_packages():
-                prepared = self.prepare(context)
-            return prepared.run()
-        finally:
-            gc.unfreeze()
+        # imports, the model, the trainer; then training, where a plugin may import what it likes
+        with without(*unused_by(context.config)), few_collections(), known_packages():
+            prepared = self.prepare(context)
+        return prepared.run()
