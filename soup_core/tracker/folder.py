@@ -7,12 +7,10 @@ plugin never parses them: their names and shapes stay the core's to change. Impo
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 SAVED_CONFIG = "soup_config.yaml"
 
 
@@ -53,7 +51,7 @@ def run_of_folder(path: str | os.PathLike[str], *, tracker: Any = None) -> Folde
     block, else ``soup_config.yaml``. A folder ``soup merge`` wrote carries its adapter run's card."""
     import yaml
 
-    from soup_core.checkpoints import DATA_RECORD
+    from soup_core.checkpoints import DATA_RECORD, PREFIX
     from soup_core.io import read_json_object
     from soup_core.model_card import CARD, read_card
     from soup_core.outputs import read_lock, read_manifest
@@ -63,7 +61,9 @@ def run_of_folder(path: str | os.PathLike[str], *, tracker: Any = None) -> Folde
         return None
     parent = folder.parent
     run_files = (SAVED_CONFIG, CARD, DATA_RECORD)
-    run_dir = parent if _CHECKPOINT.match(folder.name) and any((parent / n).is_file() for n in run_files) else folder
+    step = folder.name.removeprefix(PREFIX)
+    inside = folder.name.startswith(PREFIX) and step.isdigit()  # a checkpoint-N folder, named as checkpoints.py does
+    run_dir = parent if inside and any((parent / n).is_file() for n in run_files) else folder
     try:
         card = read_card((run_dir / CARD).read_text(encoding="utf-8", errors="replace")) or {}
     except OSError:
