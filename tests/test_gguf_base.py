@@ -1,0 +1,100 @@
+"""GGUF bases: ``base:`` naming a ``.gguf`` file (or a folder holding one, without config.json) works for a dry
+run (the header only), a training run, ``soup generate`` and ``soup merge``; a file transformers cannot load
+(an unknown tensor type) and a file cut short each get one plain message and exit 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from soup_core.default_plugins.commands.train_cmd import run_train_command
+from soup_core.default_plugins.transformers import gguf
+
+
+def _config(tmp_path: Path, base: Path | str, extra: str = "") -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "soup.yaml"
+    config.write_text(f"base: {base}\noutput: {tmp_path / 'out'}\ndata:\n  train: train.jsonl\n  max_length: 64\n"
+                      f"training:\n  max_steps: 2\n  batch_size: 2\n  lora:\n    r: 4\n{extra}")
+    return config
+
+
+def test_dry_run_reads_the_header_and_refuses_a_type_transformers_cannot_load(
+        tiny_model: Path, tiny_gguf: Path, tmp_path: Path, soup_home: Path, capsys) -> None:
+    config = _config(tmp_path, tiny_gguf)
+    assert run_train_command(config, overrides={}, dry_run=True) == 0  # the control: a file it can load
+    out = capsys.readouterr().out
+    assert "architecture llama" in out and "Q8_0 x16" in out and "1,000 tokens" in out, out
+    assert "its own chat template" in out and "MiB of weights in memory" in out, out
+    assert not (tmp_path / "out").exists() and not gguf.cache_root().exists()  # nothing dequantised
+
+    from soup_core.default_plugins.transformers.tiny import build_tiny_gguf
+
+    f64 = build_tiny_gguf(tiny_model, tmp_path / "f64.gguf", norm_type="F64")
+    assert run_train_command(_config(tmp_path, f64), overrides={}, dry_run=True) == 1
+    err = capsys.readouterr().err
+    assert "tensors of type F64" in err and "Q4_1" in err and "Traceback" not in err, err
+    assert err.count("F64") == 1
+
+
+def test_header_is_read_without_torch(tiny_gguf: Path) -> None:
+    code = ("import sys; from soup_core.default_plugins.transformers.gguf import inspect_base; "
+            f"h, p = inspect_base({str(tiny_gguf)!r}); assert p is None, p; print(h.lines()[0]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "architecture llama" in out and out.strip().endswith("False"), out
+
+
+def test_a_truncated_file_and_a_folder_of_several_are_refused_plainly(
+        tiny_gguf: Path, tmp_path: Path, capsys) -> None:
+    data = tiny_gguf.read_bytes()
+    for n, what in ((len(data) // 2, "cut short"), (200, "not a readable GGUF file")):
+        cut = tmp_path / f"cut{n}" / "model.gguf"
+        cut.parent.mkdir()
+        cut.write_bytes(data[:n])
+        assert run_train_command(_config(tmp_path, cut), overrides={}, dry_run=True) == 1
+        err = capsys.readouterr().err
+        assert what in err and "download it again" in err and "Traceback" not in err, err
+    # the control: the same file whole, named through its folder (no config.json, exactly one .gguf)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "m.gguf").write_bytes(data)
+    assert gguf.gguf_file(str(whole)) == whole / "m.gguf"
+    assert run_train_command(_config(tmp_path, whole), overrides={}, dry_run=True) == 0
+    capsys.readouterr()
+    (whole / "n.gguf").write_bytes(data)
+    assert run_train_command(_config(tmp_path, whole), overrides={}, dry_run=True) == 1
+    assert "holds 2 GGUF files" in capsys.readouterr().err
+    (whole / "config.json").write_text("{}")  # a folder with a config.json stays a model folder
+    assert gguf.gguf_file(str(whole)) is None
+
+
+def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
+        tiny_model: Path, tiny_gguf: Path, soup_home: Path, torch_one_thread) -> None:
+    torch = torch_one_thread
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(gguf.resolve_base(str(tiny_gguf), torch.float32, report=None))
+    assert json.loads((folder / gguf.RECORD).read_text())["sha256"] == gguf.file_sha256(tiny_gguf)
+    assert not json.loads((folder / "config.json").read_text()).get("quantization_config")
+    direct = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
+                                                  dtype=torch.float32).state_dict()
+    cached = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).state_dict()
+    assert direct.keys() == cached.keys() and all(torch.equal(direct[k], cached[k]) for k in direct)
+    # the control: the check tells weights apart (Q8_0 rounded the tiny model's own weights)
+    original = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).state_dict()
+    assert not all(torch.equal(original[k], cached[k]) for k in cached)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert gguf.resolve_base(str(tiny_gguf), "float32", report=None) == str(folder)  # kept: not rebuilt
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [e["name"] for e in gguf.entries()] == [folder.name]
+    assert gguf.clear()[0] == 1 and not folder.exists() and gguf.entries() == []
+
+
+def test_a_missing_gguf_file_is_named(tmp_path: Path, capsys) -> None:
+    assert run_train_command(_config(tmp_path, tmp_path / "nope.gguf"), overrides={}, dry_run=True) == 1
+    assert "GGUF file" in capsys.readouterr().err
