@@ -98,3 +98,52 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
 def test_a_missing_gguf_file_is_named(tmp_path: Path, capsys) -> None:
     assert run_train_command(_config(tmp_path, tmp_path / "nope.gguf"), overrides={}, dry_run=True) == 1
     assert "GGUF file" in capsys.readouterr().err
+
+
+def _invoke(command, args: list[str]):
+    import typer
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command(command.__name__)(command)
+    app.command("unused", hidden=True)(lambda: None)  # two commands: typer keeps the name on argv
+    return CliRunner().invoke(app, [command.__name__, *[str(a) for a in args]])
+
+
+def test_train_generate_merge_on_a_gguf_base(tiny_gguf: Path, tmp_path: Path, soup_home: Path,
+                                             torch_one_thread, capsys) -> None:
+    """The merged model's logits equal those of transformers loading the same GGUF (``gguf_file=``) with the
+    adapter merged by peft; the run record and the model card name the file and its SHA-256."""
+    torch = torch_one_thread
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from soup_core.default_plugins.commands.merge_cmd import merge
+    from soup_core.tracker import Tracker
+
+    config = _config(tmp_path, tiny_gguf, extra="  learning_rate: 0.05\n")
+    assert run_train_command(config, overrides={}, dry_run=False) == 0, capsys.readouterr().err
+    assert "dequantising tiny.Q8_0.gguf to float32" in capsys.readouterr().out
+    out, sha = tmp_path / "out", gguf.file_sha256(tiny_gguf)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_gguf)
+    assert f"GGUF file `{tiny_gguf}` (SHA-256 `{sha}`)" in (out / "README.md").read_text()
+    summary = Tracker().list_runs(1)[0].summary
+    assert summary["base_gguf_path"] == str(tiny_gguf) and summary["base_gguf_sha256"] == sha
+
+    soup_plugin_eval = __import__("pytest").importorskip("soup_plugin_eval.cli")
+    result = _invoke(soup_plugin_eval.generate, [out, "--prompt", "q1", "--max-new-tokens", "4"])
+    assert result.exit_code == 0 and result.output.strip(), result.output
+
+    result = _invoke(merge, [out, "--output", tmp_path / "merged"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert "quantization_config" not in (tmp_path / "merged" / "config.json").read_text()
+    direct = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
+                                                  dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 42, 7, 300]])
+    with torch.no_grad():
+        base_logits = direct(ids).logits
+        expected = PeftModel.from_pretrained(direct, str(out)).merge_and_unload()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)(ids).logits
+    assert torch.allclose(expected, got, atol=1e-5, rtol=0)
+    assert not torch.allclose(base_logits, got, atol=1e-5, rtol=0)  # the control: the adapter changed it

@@ -111,7 +111,8 @@ def soup_preflight(config: Any) -> PreflightReport | None:
 
     gguf = inspect_base(str(config.base))  # a GGUF base: what its header says, and what it will cost
     problem = ((gguf[1] if gguf is not None else base_problem(str(config.base)))
-               or report_to_problem(config.training.report_to) or output_problem(output_dir_for(config)) or sharding_problem(config))
+               or report_to_problem(config.training.report_to) or output_problem(output_dir_for(config))
+               or sharding_problem(config))
     if problem:
         return PreflightReport(refusal=problem)
     return PreflightReport(lines=gguf[0].lines(_gguf_dtype(config))) if gguf and gguf[0] else None
