@@ -91,8 +91,14 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert gguf.resolve_base(str(tiny_gguf), "float32", report=None) == str(folder)  # kept: not rebuilt
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
-    assert [e["name"] for e in gguf.entries()] == [folder.name]
-    assert gguf.clear()[0] == 1 and not folder.exists() and gguf.entries() == []
+    from typer.testing import CliRunner
+
+    from soup_core.default_plugins.commands.cache_cmd import cache_app
+
+    listed = CliRunner().invoke(cache_app, ["list"])
+    assert "1 dequantised GGUF bases" in listed.output and folder.name in listed.output, listed.output
+    cleared = CliRunner().invoke(cache_app, ["clear"])
+    assert "removed 1 dequantised GGUF bases" in cleared.output and not folder.exists() and gguf.entries() == []
 
 
 def test_a_missing_gguf_file_is_named(tmp_path: Path, capsys) -> None:
