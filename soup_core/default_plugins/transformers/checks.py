@@ -90,7 +90,7 @@ def load_tokenizer(base: str) -> Any:
 
     found = gguf.gguf_file(base)
     if found is not None:
-        kept = next((f for d in ("float32", "bfloat16", "float16") if (f := gguf._cached_folder(found, d))), None)
+        kept = gguf.kept_folder(found)
         from transformers import AutoTokenizer
 
         if kept is not None:

@@ -12,6 +12,7 @@ installed transformers cannot load, or a file that is cut short.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -74,7 +75,7 @@ class Header:
         dtype = dtype if dtype in _BYTES else "float32"
         types = ", ".join(f"{name} x{n}" for name, n in self.types.most_common())
         cost = self.parameters * _BYTES[dtype]
-        cached = _cached_folder(self.path, dtype)
+        cached = kept_folder(self.path, dtype)
         return [
             f"GGUF base {self.path.name}: architecture {self.architecture}, {self.tensors} tensors "
             f"({self.parameters / 1e6:,.1f}M parameters; {types})",
@@ -94,13 +95,19 @@ def _size(n: float) -> str:
 
 def read_header(path: Path) -> Header:
     """The file's header (``GGUFReader``: numpy only, the tensors are not read). GGUFError for a file that
-    is not a GGUF file or is cut short."""
+    is not a GGUF file or is cut short. Kept per (path, size, mtime) in this process: a dry run asks twice
+    (the base check and a plugin's), and parsing a 49k-token vocabulary takes seconds."""
+    stat = path.stat()
+    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_header(path: Path, size: int, mtime_ns: int) -> Header:
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - a dependency of Soup's transformers backend
         raise GGUFError(f"base: {str(path)!r} is a GGUF file, and reading it needs the gguf package: "
                         "pip install gguf") from None
-    size = path.stat().st_size
     try:
         reader = GGUFReader(str(path))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
@@ -239,15 +246,19 @@ def _entry_name(sha: str, dtype: str) -> str:
     return f"{sha[:24]}-{dtype}-tf{_transformers_version()}"
 
 
-def _cached_folder(path: Path, dtype: str) -> Path | None:
-    """The complete dequantised folder of ``path`` in ``dtype``, if one is kept (no hashing: by the index)."""
+def kept_folder(path: Path, dtype: str | None = None) -> Path | None:
+    """The complete dequantised folder of ``path`` in ``dtype`` (None: in any), if one is kept; by the hash
+    index, so the file is not read."""
     from soup_core.io import read_json_object
 
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
     sha = (read_json_object(cache_root() / "sha256.json") or {}).get(key)
-    folder = cache_root() / _entry_name(sha, dtype) if isinstance(sha, str) else None
-    return folder if folder is not None and (folder / RECORD).is_file() else None
+    for name in [dtype] if dtype else list(_BYTES):
+        folder = cache_root() / _entry_name(sha, name) if isinstance(sha, str) else None
+        if folder is not None and (folder / RECORD).is_file():
+            return folder
+    return None
 
 
 def _dtype_name(dtype: Any) -> str:
