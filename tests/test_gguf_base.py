@@ -30,7 +30,7 @@ def test_dry_run_reads_the_header_and_refuses_a_type_transformers_cannot_load(
     out = capsys.readouterr().out
     assert "architecture llama" in out and "Q8_0 x16" in out and "1,000 tokens" in out, out
     assert "its own chat template" in out and "MiB of weights in memory" in out, out
-    assert not (tmp_path / "out").exists() and not gguf.cache_root().exists()  # nothing dequantised
+    assert not (tmp_path / "out").exists() and gguf.entries() == []  # nothing dequantised
 
     from soup_core.default_plugins.transformers.tiny import build_tiny_gguf
 

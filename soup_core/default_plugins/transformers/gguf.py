@@ -93,16 +93,38 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _file_key(path: Path) -> str:
+    """What names one version of a file in the indexes below: its path, size, modification time and inode."""
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+
+
 def read_header(path: Path) -> Header:
     """The file's header (``GGUFReader``: numpy only, the tensors are not read). GGUFError for a file that
-    is not a GGUF file or is cut short. Kept per (path, size, mtime) in this process: a dry run asks twice
-    (the base check and a plugin's), and parsing a 49k-token vocabulary takes seconds."""
-    stat = path.stat()
-    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    is not a GGUF file or is cut short. Parsing a 49k-token vocabulary takes seconds, so what a readable
+    file's header says is kept under ``SOUP_HOME/cache/gguf/headers.json`` by :func:`_file_key` (and in this
+    process): every later run of the same file reads that instead."""
+    from soup_core.io import atomic_write, read_json_object
+
+    key, index = _file_key(path), cache_root() / "headers.json"
+    known = read_json_object(index) or {}
+    kept = known.get(key)
+    if isinstance(kept, dict):
+        with contextlib.suppress(TypeError, ValueError):
+            return Header(path=path, **{**kept, "types": Counter(kept.get("types") or {})})
+    header = _read_header(path.resolve(), *key.rsplit("|", 3)[1:])
+    fields = {k: v for k, v in vars(header).items() if k != "path"}
+    known.pop(key, None)
+    known[key] = {**fields, "types": dict(header.types)}
+    with contextlib.suppress(OSError):  # a header that cannot be kept only costs the next run a read
+        atomic_write(index, json.dumps(dict(list(known.items())[-32:]), indent=1))
+    return Header(path=path, **fields)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_header(path: Path, size: int, mtime_ns: int) -> Header:
+def _read_header(path: Path, *version: str) -> Header:
+    # ``version`` (size, mtime, inode) only keys the cache: a file changed in place is read again
+    size = path.stat().st_size
     try:
         from gguf import GGUFReader
     except ImportError:  # pragma: no cover - a dependency of Soup's transformers backend
@@ -225,9 +247,7 @@ def file_sha256(path: Path) -> str:
     of the whole file again (seconds for a large model)."""
     from soup_core.io import atomic_write, read_json_object
 
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
-    index = cache_root() / "sha256.json"
+    key, index = _file_key(path), cache_root() / "sha256.json"
     known = read_json_object(index) or {}
     if isinstance(known.get(key), str):
         return known[key]
@@ -251,8 +271,7 @@ def kept_folder(path: Path, dtype: str | None = None) -> Path | None:
     index, so the file is not read."""
     from soup_core.io import read_json_object
 
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    key = _file_key(path)
     sha = (read_json_object(cache_root() / "sha256.json") or {}).get(key)
     for name in [dtype] if dtype else list(_BYTES):
         folder = cache_root() / _entry_name(sha, name) if isinstance(sha, str) else None
@@ -359,7 +378,7 @@ def entries() -> list[dict[str, Any]]:
 
 
 def clear() -> tuple[int, int]:
-    """Remove every dequantised folder (and the hash index); (folders removed, bytes freed)."""
+    """Remove every dequantised folder (and the hash and header indexes); (folders removed, bytes freed)."""
     root = cache_root()
     n = freed = 0
     for folder in list(root.iterdir()) if root.is_dir() else []:
@@ -367,6 +386,7 @@ def clear() -> tuple[int, int]:
             freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             shutil.rmtree(folder, ignore_errors=True)
             n += 1
-    with contextlib.suppress(OSError):
-        (root / "sha256.json").unlink()
+    for index in ("sha256.json", "headers.json"):
+        with contextlib.suppress(OSError):
+            (root / index).unlink()
     return n, freed
