@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from soup_core.default_plugins.transformers.loading import BackendError
+from soup_core.default_plugins.transformers.errors import BackendError
 
 SUFFIX = ".gguf"
 #: written last into a dequantised folder: what it came from (a folder without it is not complete)
@@ -320,32 +320,32 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from soup_core.default_plugins.transformers.loading import quiet_progress
+    from transformers.utils import logging as hf_logging
 
     started = time.monotonic()
     report(f"dequantising {path.name} to {dtype} (once; kept in {target.parent}) ...")
     torch_dtype = getattr(torch, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' per-file bars; the message above says what is going on
     try:
-        with quiet_progress():
-            try:
-                loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch_dtype)
-                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-                raise GGUFError(f"base: transformers cannot load the GGUF file {str(path)!r}: "
-                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-                                ) from None
-            config = copy.deepcopy(loaded.config)
-            with contextlib.suppress(AttributeError):
-                del config.quantization_config
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-            plain.load_state_dict(loaded.state_dict(), strict=True)
-            del loaded
-            plain.save_pretrained(str(tmp))
-            tokenizer.save_pretrained(str(tmp))
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+            raise GGUFError(f"base: transformers cannot load the GGUF file {str(path)!r}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+                            ) from None
+        config = copy.deepcopy(loaded.config)
+        with contextlib.suppress(AttributeError):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        plain.load_state_dict(loaded.state_dict(), strict=True)
+        del loaded
+        plain.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
         from soup_core.io import atomic_write, umask
 
         atomic_write(tmp / RECORD, json.dumps({
@@ -358,6 +358,8 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
             if not (target / RECORD).is_file():
                 raise
     finally:
+        if bars:
+            hf_logging.enable_progress_bar()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     report(f"dequantised in {time.monotonic() - started:.0f} s: {target}")

@@ -12,11 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from soup_core.contracts import LoadedModel
-
-
-class BackendError(RuntimeError):
-    """A run cannot go on for a reason the user can fix; the message says what, where and how."""
-
+from soup_core.default_plugins.transformers.errors import BackendError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

@@ -65,13 +65,13 @@ def _gguf_folder(base: str, expanded: str, config: Any) -> str:
     """A GGUF base: the model folder the transformers backend dequantises it into (the same cache, keyed by
     the file's SHA-256 and the dtype), which mlx-lm loads as any safetensors folder. Dequantising uses
     transformers and torch; without torch the base is refused with that reason."""
-    from soup_core.default_plugins.transformers import gguf
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, kept_folder, resolve_base
 
-    found = gguf.gguf_file(expanded)
+    found = gguf_file(expanded)
     if found is None:
         return expanded
     dtype = dtype_name(resolve_dtype(str(config.training.dtype)))
-    kept = gguf.kept_folder(found, dtype)
+    kept = kept_folder(found, dtype)
     if kept is not None:
         return str(kept)
     import importlib.util
@@ -82,8 +82,8 @@ def _gguf_folder(base: str, expanded: str, config: Any) -> str:
             "dequantises it into, and that needs torch, which is not installed: pip install torch (once: "
             "later runs reuse the folder), or give a model folder")
     try:
-        return gguf.resolve_base(expanded, dtype)
-    except gguf.GGUFError as exc:
+        return resolve_base(expanded, dtype)
+    except GGUFError as exc:
         raise MLXBackendError(str(exc)) from None
 
 

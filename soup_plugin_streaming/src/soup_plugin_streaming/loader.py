@@ -78,12 +78,12 @@ def _looks_local(base: str) -> bool:
 def source_folder(base: str, dtype: Any = "float32") -> Path:
     """The local folder holding ``base``: the folder itself, a GGUF base's dequantised folder (in ``dtype``,
     built on first use), or the hub snapshot (which must be reachable or already cached)."""
-    from soup_core.default_plugins.transformers import gguf
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, resolve_base
 
-    if gguf.gguf_file(base) is not None:
+    if gguf_file(base) is not None:
         try:
-            return Path(gguf.resolve_base(base, dtype))
-        except gguf.GGUFError as exc:
+            return Path(resolve_base(base, dtype))
+        except GGUFError as exc:
             raise StreamingError(str(exc)) from None
     expanded = Path(os.path.expanduser(base))
     if expanded.is_dir():

@@ -133,7 +133,7 @@ def _task_capabilities(task: str) -> frozenset[str] | None:
 
 
 def _local_model_type(base: str) -> str | None:
-    from soup_core.default_plugins.transformers.gguf import inspect_base
+    from soup_core.default_plugins.transformers import inspect_base
 
     inspected = inspect_base(base)  # a GGUF base: its header names the architecture (llama, qwen2, ...)
     if inspected is not None:

@@ -156,9 +156,9 @@ def soup_preflight(config: Any) -> PreflightReport | None:
             refusal="task distill needs training.teacher_model: the model to distil from",
             fix="set training.teacher_model to a model folder or hub id that shares the student's tokenizer",
         )
-    from soup_core.default_plugins.transformers import gguf
+    from soup_core.default_plugins.transformers import inspect_base
 
-    inspected = gguf.inspect_base(teacher, what="training.teacher_model")  # a GGUF teacher: its header
+    inspected = inspect_base(teacher, what="training.teacher_model")  # a GGUF teacher: its header
     if inspected is not None and inspected[1]:
         return PreflightReport(title=title, refusal=inspected[1])
     folder = None if inspected is not None else local_folder(teacher)

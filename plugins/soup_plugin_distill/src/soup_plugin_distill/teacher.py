@@ -26,9 +26,9 @@ def local_folder(name: str) -> Path | None:
 
 def config_vocab_size(name: str) -> int | None:
     """The ``vocab_size`` in a local model folder's ``config.json`` (None: not a local folder, or unknown)."""
-    from soup_core.default_plugins.transformers import gguf
+    from soup_core.default_plugins.transformers import inspect_base
 
-    inspected = gguf.inspect_base(name)
+    inspected = inspect_base(name)
     if inspected is not None:  # a GGUF file: its header counts the tokens
         return inspected[0].vocabulary if inspected[0] is not None and inspected[0].vocabulary else None
     folder = local_folder(name)
@@ -81,13 +81,13 @@ def load_teacher(name: str, *, dtype: Any, device: Any, error: type[Exception] =
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from soup_core.default_plugins.transformers import gguf
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, resolve_base
 
     folder = local_folder(name)
-    if gguf.gguf_file(name) is not None:  # a GGUF teacher: its dequantised folder (built on first use)
+    if gguf_file(name) is not None:  # a GGUF teacher: its dequantised folder (built on first use)
         try:
-            folder = Path(gguf.resolve_base(name, dtype))
-        except gguf.GGUFError as exc:
+            folder = Path(resolve_base(name, dtype))
+        except GGUFError as exc:
             raise error(str(exc).replace("base:", "training.teacher_model:", 1)) from None
     if folder is not None and not folder.is_dir():
         raise error(
@@ -146,7 +146,7 @@ MISSING_TOKENIZER_FIX = (
 
 def refuse_folder_without_tokenizer(teacher_name: str, *, error: type[Exception] = RuntimeError) -> None:
     """A local teacher folder must carry its tokenizer: refused without one (cheap, before any loading)."""
-    from soup_core.default_plugins.transformers.gguf import gguf_file
+    from soup_core.default_plugins.transformers import gguf_file
 
     folder = local_folder(teacher_name)
     if gguf_file(teacher_name) is not None:
@@ -165,8 +165,7 @@ def check_tokenizer(
     refuse_folder_without_tokenizer(teacher_name, error=error)
     from transformers import AutoTokenizer
 
-    from soup_core.default_plugins.transformers.checks import load_tokenizer
-    from soup_core.default_plugins.transformers.gguf import gguf_file
+    from soup_core.default_plugins.transformers import gguf_file, load_tokenizer
 
     folder = local_folder(teacher_name)
     source = str(folder) if folder is not None else teacher_name

@@ -25,7 +25,7 @@ def _tokenizer_folder(target: Target) -> str:
     for folder in (target.weights, target.run_dir):
         if folder is not None and (folder / "tokenizer_config.json").is_file():
             return str(folder)
-    from soup_core.default_plugins.transformers.gguf import resolve_base
+    from soup_core.default_plugins.transformers import resolve_base
 
     return resolve_base(target.base)  # a GGUF base: the tokenizer of its dequantised folder
 
@@ -51,7 +51,7 @@ def load(target: Target) -> Loaded:
         if target.kind == "adapter":
             from peft import PeftModel
 
-            from soup_core.default_plugins.transformers.gguf import resolve_base
+            from soup_core.default_plugins.transformers import resolve_base
 
             # a GGUF base loads from its dequantised folder (built on first use)
             folder = resolve_base(str(Path(target.base).expanduser()), dtype)
