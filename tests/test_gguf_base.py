@@ -101,7 +101,14 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
     assert "removed 1 dequantised GGUF bases" in cleared.output and not folder.exists() and gguf.entries() == []
 
 
-def test_a_missing_gguf_file_is_named(tmp_path: Path, capsys) -> None:
+def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_path: Path, capsys,
+                                                         monkeypatch) -> None:
+    import shutil
+
+    shutil.copy(tiny_gguf, tmp_path / "beside.gguf")
+    monkeypatch.chdir(tiny_gguf.parent.parent)  # not the config's folder: the path is the config's
+    assert run_train_command(_config(tmp_path, "beside.gguf"), overrides={}, dry_run=True) == 0
+    assert "GGUF base beside.gguf" in capsys.readouterr().out
     assert run_train_command(_config(tmp_path, tmp_path / "nope.gguf"), overrides={}, dry_run=True) == 1
     assert "GGUF file" in capsys.readouterr().err
 
