@@ -41,16 +41,16 @@ def test_dry_run_reads_the_header_and_refuses_a_type_transformers_cannot_load(
     assert err.count("F64") == 1
 
 
-def test_header_is_read_without_torch(tiny_gguf: Path) -> None:
+def test_header_is_read_without_torch(tiny_gguf: Path, soup_home: Path) -> None:
     code = ("import sys; from soup_core.default_plugins.transformers.gguf import inspect_base; "
             f"h, p = inspect_base({str(tiny_gguf)!r}); assert p is None, p; print(h.lines()[0]); "
-            "print('torch' in sys.modules)")
+            "print('gguf.gguf_reader' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "architecture llama" in out and out.strip().endswith("False"), out
+    assert "architecture llama" in out and out.strip().endswith("True False"), out  # read, and no torch
 
 
 def test_a_truncated_file_and_a_folder_of_several_are_refused_plainly(
-        tiny_gguf: Path, tmp_path: Path, capsys) -> None:
+        tiny_gguf: Path, tmp_path: Path, soup_home: Path, capsys) -> None:
     data = tiny_gguf.read_bytes()
     for n, what in ((len(data) // 2, "cut short"), (200, "not a readable GGUF file")):
         cut = tmp_path / f"cut{n}" / "model.gguf"
@@ -101,8 +101,8 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
     assert "removed 1 dequantised GGUF bases" in cleared.output and not folder.exists() and gguf.entries() == []
 
 
-def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_path: Path, capsys,
-                                                         monkeypatch) -> None:
+def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_path: Path, soup_home: Path,
+                                                         capsys, monkeypatch) -> None:
     import shutil
 
     shutil.copy(tiny_gguf, tmp_path / "beside.gguf")
