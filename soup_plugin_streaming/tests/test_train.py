@@ -114,7 +114,8 @@ def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_gguf_base_streams_as_the_folder_it_came_from(checkpoints, tmp_path, torch_one_thread, run_training):
+def test_a_gguf_base_streams_as_the_folder_it_came_from(checkpoints, tmp_path, torch_one_thread,
+                                                       run_training):
     """The store of a GGUF base is split from its dequantised folder (F32 here: dequantised exactly), so the
     streamed run matches the same model streamed from its folder, step for step."""
     from soup_core.default_plugins.transformers.tiny import build_tiny_gguf
