@@ -46,9 +46,11 @@ def run_card(
     losses: Mapping[str, Any],
     status: str,
     version: str,
+    base_file: tuple[Any, Any] = (None, None),
 ) -> str:
     """The card's text. ``config`` is the resolved config as a dict, ``data`` maps each data key to its
-    TrainingList, ``losses`` is :meth:`soup_core.tracker.Tracker.loss_summary` of the run."""
+    TrainingList, ``losses`` is :meth:`soup_core.tracker.Tracker.loss_summary` of the run, ``base_file`` the
+    path and SHA-256 of a GGUF base."""
     import json
 
     import yaml
@@ -66,6 +68,8 @@ def run_card(
         f"{what.capitalize()} [`{base}`](https://huggingface.co/{base})" if not Path(base).is_absolute()
         else f"{what.capitalize()} `{base}`",
         f"trained by Soup {version} (task `{task}`, backend `{backend}`).", "",
+        *([f"The base is the GGUF file `{base_file[0]}` (SHA-256 `{base_file[1]}`), dequantised by transformers.",
+           ""] if base_file[0] else []),
         "## Run", "",
         f"- run id: `{run_id}` (`soup runs show {run_id}`)",
         f"- status: {status}",

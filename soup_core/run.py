@@ -282,7 +282,8 @@ def execute(
 
             write_card(plan.output_dir, run_card(
                 config=config_dict, data=plan.data, run_id=run_id, losses=tracker.loss_summary(run_id),
-                status=str(result.get("status") or "completed"), version=__version__))
+                status=str(result.get("status") or "completed"), version=__version__,
+                base_file=(result.get("base_gguf_path"), result.get("base_gguf_sha256"))))
         return result
 
     try:

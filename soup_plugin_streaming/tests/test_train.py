@@ -112,3 +112,16 @@ def test_soup_train_streams_resumes_and_matches_resident(checkpoints, tmp_path, 
     assert same == [(step, m["loss"], m["grad_norm"]) for step, m in streamed_metrics[2:]]
     a, b = _adapter(tmp_path / "streamed"), _adapter(tmp_path / "resident")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_gguf_base_streams_as_the_folder_it_came_from(checkpoints, tmp_path, torch_one_thread,
+                                                       run_training):
+    """The store of a GGUF base is split from its dequantised folder (F32 here: dequantised exactly), so the
+    streamed run matches the same model streamed from its folder, step for step."""
+    from soup_core.default_plugins.transformers.tiny import build_tiny_gguf
+
+    gguf = build_tiny_gguf(checkpoints["llama"], tmp_path / "llama.gguf")
+    _, from_folder = _train(run_training, tmp_path, checkpoints["llama"], "folder", stream=True, max_steps=2)
+    run, from_gguf = _train(run_training, tmp_path, gguf, "gguf", stream=True, max_steps=2)
+    assert from_gguf == from_folder and len(from_gguf) == 2
+    assert run.summary["base_gguf_path"] == str(gguf)  # the control: this run did stream the GGUF file

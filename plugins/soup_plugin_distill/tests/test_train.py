@@ -495,3 +495,23 @@ def test_a_hub_teacher_s_tokenizer_is_checked_after_loading(
     expected = "2 tokens map to other ids" if tokenizer == "swapped" else "cannot load the tokenizer"
     assert expected in err and "'soup-test/teacher'" in err, err
     assert not [e for e in refused.value.events if type(e).__name__ == "MicroBatch"]  # before the first step
+
+
+def test_gguf_student_and_teacher_train_as_the_folders_they_came_from(models, tmp_path, chat_rows, soup_train):
+    """A student and a teacher given as GGUF files (F32: dequantised exactly; tokenizers read from the files,
+    which add GPT-2's ``<|endoftext|>`` to the tiny vocabulary, so both must come from GGUF files to share
+    one) give, step for step, the losses of the same models given as folders."""
+    from soup_core.default_plugins.transformers.tiny import build_tiny_gguf
+
+    student = build_tiny_gguf(models["other"], tmp_path / "student.gguf")
+    teacher = build_tiny_gguf(models["student"], tmp_path / "teacher.gguf")
+    rows, training = chat_rows(8), {"max_steps": 2, "learning_rate": 5e-3, "lora": {"r": 4, "dropout": 0.0}}
+    soup_train(_config(tmp_path / "folder", models["other"], models["student"], rows, training=training),
+               with_rewind=False)
+    from_folders = [m for _, m in _metrics()]
+    soup_train(_config(tmp_path / "gguf", student, teacher, rows, training=training), with_rewind=False)
+    from_gguf = [m for _, m in _metrics()]
+    keys = ("loss", "distill_loss")
+    assert len(from_gguf) == len(from_folders) > 0
+    assert [[m.get(k) for k in keys] for m in from_gguf] == [[m.get(k) for k in keys] for m in from_folders]
+    assert all(m.get("distill_loss", 0) > 0 for m in from_gguf)  # the control: the teacher's logits count

@@ -1,4 +1,5 @@
-"""``soup cache list|clear``: the prepared data Soup keeps under ``$SOUP_HOME/cache/data``."""
+"""``soup cache list|clear``: the prepared data Soup keeps under ``$SOUP_HOME/cache/data``, and the model
+folders dequantised from GGUF bases under ``$SOUP_HOME/cache/gguf``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import time
 
 import typer
 
-cache_app = typer.Typer(help="See and clear the prepared data Soup caches.", no_args_is_help=True)
+cache_app = typer.Typer(help="See and clear the prepared data and the dequantised GGUF bases Soup caches.",
+                        no_args_is_help=True)
 
 
 def _size(n: float) -> str:
@@ -35,12 +37,25 @@ def list_cache() -> None:
             task = parts.get("task") or ["?"]
             what = f"task {task[0]}, max_length {parts.get('data', {}).get('max_length', '?')}"
         typer.echo(f"  {entry['name']}  {entry['kind']:<8} {_size(entry['bytes']):>9}  used {used}  {what}")
+    from soup_core.default_plugins.transformers import gguf
+
+    bases = gguf.entries()
+    typer.echo(f"{gguf.cache_root()}: {len(bases)} dequantised GGUF bases, "
+               f"{_size(sum(e['bytes'] for e in bases))}")
+    for entry in bases:
+        built = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("built") or 0))
+        typer.echo(f"  {entry['name']}  {entry.get('dtype', '?'):<8} {_size(entry['bytes']):>9}  built {built}  "
+                   f"from {entry.get('path', '?')}")
 
 
 @cache_app.command("clear")
 def clear_cache() -> None:
-    """Remove every cached entry; the next run prepares its data again. Exit code 0."""
+    """Remove every cached entry and dequantised GGUF base; the next run prepares its data (and dequantises
+    its GGUF base) again. Exit code 0."""
     from soup_core.data.cache import cache_root, clear
+    from soup_core.default_plugins.transformers import gguf
 
     n, freed = clear()
     typer.echo(f"removed {n} entries ({_size(freed)}) from {cache_root()}")
+    n, freed = gguf.clear()
+    typer.echo(f"removed {n} dequantised GGUF bases ({_size(freed)}) from {gguf.cache_root()}")

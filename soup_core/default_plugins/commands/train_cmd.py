@@ -104,12 +104,13 @@ def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
 def _from_config_folder(config: Any, folder: Path, overrides: dict[str, Any]) -> None:
     """Paths written in the config file are relative to the file's folder (data paths already resolve
     there when the data is read): ``output``, ``training.resume_from``, and a ``base`` that is a relative
-    path to a folder there."""
+    path to a folder or a ``.gguf`` file there."""
     if "output" not in overrides and not Path(os.path.expanduser(str(config.output))).is_absolute():
         config.output = str(folder / str(config.output))
     base = str(config.base)
     if "base" not in overrides and not Path(os.path.expanduser(base)).is_absolute():
-        if base.startswith(("./", "../")) or (folder / base).is_dir():
+        if base.startswith(("./", "../")) or (folder / base).is_dir() or (
+                base.lower().endswith(".gguf") and (folder / base).is_file()):
             config.base = str((folder / base).resolve())
     resume = config.training.resume_from
     if ("training.resume_from" not in overrides and resume and resume != "latest"

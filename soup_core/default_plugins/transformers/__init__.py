@@ -9,7 +9,11 @@ What a plugin imports from here (docs/plugins.md, "The trainer seam"):
   :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`resolve_dtype`, :func:`resolve_target_modules`,
   :func:`merge_adapter`, :class:`TransformersBackend`;
 - a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`;
-- :func:`base_problem`: what a dry run can check of a base without loading its weights.
+- :func:`base_problem`: what a dry run can check of a base without loading its weights, and
+  :func:`load_tokenizer`: a base's tokenizer, as a dry run loads it;
+- GGUF bases: :func:`resolve_base` (the folder to load for a base: a GGUF file's dequantised folder, built on
+  first use), :func:`gguf_file`, :func:`inspect_base` (its header, or why it cannot be loaded),
+  :func:`kept_folder`, :func:`source_record` and :class:`GGUFError`.
 
 Importing this package imports nothing: each name loads its module on first use (the trainer's brings torch,
 transformers and trl), so a plugin module that ``soup --help`` imports may name them inside functions.
@@ -34,7 +38,9 @@ _EXPORTS = {
     **dict.fromkeys(("RowCollator", "SoupSFTTrainer", "SoupTrainerMixin", "TrainerSetup", "datasets_for",
                      "row_sums"), "trainer"),
     **dict.fromkeys(("build_tiny_model", "build_tiny_tokenizer", "tiny_model_dir"), "tiny"),
-    "base_problem": "checks",
+    **dict.fromkeys(("base_problem", "load_tokenizer"), "checks"),
+    **dict.fromkeys(("GGUFError", "gguf_file", "inspect_base", "kept_folder", "resolve_base", "source_record"),
+                    "gguf"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -205,6 +205,10 @@ class PreparedRun:
             "resumed_from_step": resumed,
             "tokens_seen": trainer.soup_tokens_seen,
         }
+        from soup_core.default_plugins.transformers.gguf import source_record
+
+        if (record := source_record(str(ctx.config.base))) is not None:  # the run record names the file
+            self.summary.update(base_gguf_path=record["path"], base_gguf_sha256=record["sha256"])
         return self.summary
 
 

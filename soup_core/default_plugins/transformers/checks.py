@@ -45,11 +45,17 @@ def base_problem(base: str, *, what: str = "base") -> str | None:
             return None
         return (f"{what}: {base!r} is a hub model id that is not in the local cache, and the hub is offline "
                 "(HF_HUB_OFFLINE); download it once online (`hf download " + base + "`), or give a model folder")
+    from soup_core.default_plugins.transformers.gguf import inspect_base
+
+    gguf = inspect_base(base, what=what)  # a .gguf file: only its header is read
+    if gguf is not None:
+        return gguf[1]
     folder = Path(os.path.expanduser(base))
     if not folder.exists():
         return f"{what}: model folder {base!r} does not exist; give a model folder or a hub model id"
     if not folder.is_dir():
-        return f"{what}: {base!r} is a file, not a model folder; give the folder that holds config.json"
+        return (f"{what}: {base!r} is a file, not a model folder or a .gguf file; give the folder that holds "
+                "config.json, or a GGUF file")
     if not (folder / "config.json").is_file():
         return (f"{what}: {base!r} is not a model folder (it has no config.json); give a folder written by "
                 "save_pretrained, or a hub model id")
@@ -78,7 +84,18 @@ def base_problem(base: str, *, what: str = "base") -> str | None:
 def load_tokenizer(base: str) -> Any:
     """The base's tokenizer, as ``AutoTokenizer`` loads it (local files only). For a model folder whose check
     passed under this installation, the class ``AutoTokenizer`` chose then is loaded directly: the auto
-    classes import torch (seconds), which nothing else in a dry run needs."""
+    classes import torch (seconds), which nothing else in a dry run needs. A GGUF base's tokenizer is read
+    from its dequantised folder when one is kept, else from the file."""
+    from soup_core.default_plugins.transformers import gguf
+
+    found = gguf.gguf_file(base)
+    if found is not None:
+        kept = gguf.kept_folder(found)
+        from transformers import AutoTokenizer
+
+        if kept is not None:
+            return AutoTokenizer.from_pretrained(str(kept), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(found.parent), gguf_file=found.name, local_files_only=True)
     folder = Path(os.path.expanduser(base))
     key = _fingerprint(folder) if looks_local(base) and folder.is_dir() else None
     kept = _kept_class(key) if key is not None else None

@@ -12,11 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from soup_core.contracts import LoadedModel
-
-
-class BackendError(RuntimeError):
-    """A run cannot go on for a reason the user can fix; the message says what, where and how."""
-
+from soup_core.default_plugins.transformers.errors import BackendError
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -100,6 +96,8 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from soup_core.default_plugins.transformers.gguf import resolve_base, source_record
+
     base = str(config.base)
     expanded = os.path.expanduser(base)
     if _looks_local(base) and not Path(expanded).exists():
@@ -114,6 +112,7 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
             "set training.lora.r above 0 or training.quantization: none"
         )
     kwargs: dict[str, Any] = {"dtype": load_dtype(config)}
+    expanded = resolve_base(expanded, kwargs["dtype"])  # a GGUF base: its dequantised folder, in that dtype
     if quant is not None:
         kwargs["quantization_config"] = quant
         if torch.cuda.is_available():
@@ -129,9 +128,13 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
         ) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, loaded_by="transformers", extra={"dtype": str(kwargs["dtype"])}
-    )
+    extra: dict[str, Any] = {"dtype": str(kwargs["dtype"])}
+    if (record := source_record(base)) is not None:
+        extra["base_gguf"] = record
+        # what an adapter records as its base (soup merge's default): the file, not the cache folder it was
+        # loaded from, which `soup cache clear` removes
+        model.name_or_path = model.config._name_or_path = record["path"]
+    return LoadedModel(model=model, tokenizer=tokenizer, loaded_by="transformers", extra=extra)
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -233,10 +236,13 @@ def merge_adapter(
     if out.exists() and any(out.iterdir()):
         raise BackendError(f"{out} exists and is not empty; choose another output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
+    from soup_core.default_plugins.transformers.gguf import resolve_base
+
+    folder = resolve_base(str(base), torch.float32)  # a GGUF base: its dequantised folder, in fp32
     with quiet_progress():
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-        source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(str(base))
+        source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(folder)
         tokenizer = AutoTokenizer.from_pretrained(str(source))
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:

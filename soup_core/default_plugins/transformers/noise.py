@@ -5,6 +5,8 @@
   and 4-bit training needs a GPU anyway (``soup doctor`` reports bitsandbytes and the GPU).
 - transformers warns that ``is_gradient_checkpointing`` is deprecated when trl or peft call it; it is their
   call to change, not the user's.
+- peft warns "Could not find a config file in ....gguf" when it saves an adapter whose base is a GGUF file
+  (it looks for a config.json there to see whether the vocabulary grew); Soup never resizes the vocabulary.
 
 Only these lines are dropped: any other warning of those libraries still shows. Cheap: no library is imported.
 ``soup doctor`` reports what matters of them on this installation (:func:`hidden_warnings`), so hiding them
@@ -20,6 +22,8 @@ import warnings
 _LOG_LINES = (("bitsandbytes.backends.cpu.ops", "gemm_4bit_forward from kernels-community"),)
 #: Regular expressions of the FutureWarning messages dropped.
 _FUTURE_WARNINGS = (r"`is_gradient_checkpointing` is deprecated",)
+#: ... and of the UserWarning messages.
+_USER_WARNINGS = (r"Could not find a config file in .*\.gguf ",)
 
 
 #: The lines dropped in this process, for :func:`hidden_warnings`.
@@ -47,6 +51,8 @@ def silence_third_party_noise() -> None:
             logger.addFilter(_DropLines(marker))
     for message in _FUTURE_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message in _USER_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def hidden_warnings() -> list[dict[str, str]]:

@@ -105,12 +105,26 @@ def soup_preflight(config: Any) -> PreflightReport | None:
                 fix="remove training.watchdog, or train with backend: transformers")
         return None
     from soup_core.default_plugins.transformers.checks import base_problem, output_problem, report_to_problem
+    from soup_core.default_plugins.transformers.gguf import inspect_base
     from soup_core.default_plugins.transformers.sharding import sharding_problem
     from soup_core.run import output_dir_for
 
-    problem = (base_problem(str(config.base)) or report_to_problem(config.training.report_to)
-               or output_problem(output_dir_for(config)) or sharding_problem(config))
-    return PreflightReport(refusal=problem) if problem else None
+    gguf = inspect_base(str(config.base))  # a GGUF base: what its header says, and what it will cost
+    problem = ((gguf[1] if gguf is not None else base_problem(str(config.base)))
+               or report_to_problem(config.training.report_to) or output_problem(output_dir_for(config))
+               or sharding_problem(config))
+    if problem:
+        return PreflightReport(refusal=problem)
+    return PreflightReport(lines=gguf[0].lines(_gguf_dtype(config))) if gguf and gguf[0] else None
+
+
+def _gguf_dtype(config: Any) -> str:
+    """The dtype a GGUF base is dequantised to for this run, without torch: ``auto`` is float32 on a machine
+    without CUDA (where a dry run's guess matters least, a GPU run says so when it loads)."""
+    name = str(config.training.dtype)
+    if name == "float16" and int(config.training.lora.r) == 0:
+        return "float32"  # full fine-tuning under fp16 loads fp32 weights (loading.load_dtype)
+    return name if name != "auto" else "float32"
 
 
 @hookimpl(trylast=True)

@@ -196,3 +196,90 @@ def tiny_model_dir(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _permute(weights, heads: int):
+    # llama.cpp stores q/k rows interleaved for its rotary kernel; transformers' GGUF loader undoes this
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def build_tiny_gguf(
+    model_dir: str | os.PathLike[str], path: str | os.PathLike[str], *, quant: str = "F32",
+    norm_type: str | None = None,
+) -> Path:
+    """Write the tiny Llama in ``model_dir`` (see :func:`tiny_model_dir`) as a GGUF file at ``path``, as
+    llama.cpp's converter would: llama architecture, its tokenizer as a gpt2-style BPE and its chat template
+    in the metadata. ``quant``: ``F32``, ``F16`` or ``Q8_0`` for the 2-D weights; ``norm_type`` stores the
+    norm weights in another numpy type (``F64``: one transformers cannot load, for tests of the refusal)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    model_dir, out = Path(model_dir), Path(path)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    weights = load_file(str(model_dir / "model.safetensors"))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name("soup tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.hidden_size // heads)
+    writer.add_vocab_size(config.vocab_size)
+    vocab = spec["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    tokens = [""] * config.vocab_size
+    for text, index in {**vocab, **added}.items():
+        tokens[index] = text
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in added.values() else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    for name, setter in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                         ("pad", writer.add_pad_token_id)):
+        setter(added[tok_config[f"{name}_token"]])
+    writer.add_chat_template(tok_config.get("chat_template") or CHAT_TEMPLATE)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, value in weights.items():
+        if key == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif key == "lm_head.weight":
+            name = "output.weight"
+        elif key == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            _, _, layer, module = key.split(".", 3)
+            name = f"blk.{layer}.{names[module.rsplit('.', 1)[0]]}.weight"
+        value = value.astype(np.float32)
+        if name.endswith("attn_q.weight"):
+            value = _permute(value, heads)
+        elif name.endswith("attn_k.weight"):
+            value = _permute(value, kv_heads)
+        if value.ndim == 1:
+            kind = norm_type or "F32"
+            writer.add_tensor(name, value.astype(np.float64) if kind == "F64" else value)
+        elif quant == "Q8_0":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, value.astype(np.float16) if quant == "F16" else value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

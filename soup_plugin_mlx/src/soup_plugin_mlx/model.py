@@ -30,7 +30,7 @@ def _looks_local(base: str) -> bool:
 
 
 def load_model_and_tokenizer(config: Any) -> LoadedModel:
-    """Load ``config.base`` (a folder, e.g. one saved by transformers, or a hub id) with mlx-lm.
+    """Load ``config.base`` (a folder, e.g. one saved by transformers, a GGUF file, or a hub id) with mlx-lm.
 
     ``tokenizer`` is the Hugging Face tokenizer mlx-lm wraps, so rows are encoded exactly as on the
     transformers backend; ``extra`` keeps mlx-lm's wrapper and the model's config dict.
@@ -41,6 +41,7 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
     expanded = os.path.expanduser(base)
     if _looks_local(base) and not Path(expanded).exists():
         raise MLXBackendError(f"base: model folder {base!r} does not exist; give a folder or a hub model id")
+    expanded = _gguf_folder(base, expanded, config)
     try:
         model, wrapper, model_config = load(expanded, return_config=True)
     except (OSError, ValueError, KeyError) as exc:
@@ -58,6 +59,32 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
         loaded_by="mlx",
         extra={"mlx_tokenizer": wrapper, "model_config": dict(model_config)},
     )
+
+
+def _gguf_folder(base: str, expanded: str, config: Any) -> str:
+    """A GGUF base: the model folder the transformers backend dequantises it into (the same cache, keyed by
+    the file's SHA-256 and the dtype), which mlx-lm loads as any safetensors folder. Dequantising uses
+    transformers and torch; without torch the base is refused with that reason."""
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, kept_folder, resolve_base
+
+    found = gguf_file(expanded)
+    if found is None:
+        return expanded
+    dtype = dtype_name(resolve_dtype(str(config.training.dtype)))
+    kept = kept_folder(found, dtype)
+    if kept is not None:
+        return str(kept)
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise MLXBackendError(
+            f"base: {base!r} is a GGUF file; the mlx backend loads the model folder transformers "
+            "dequantises it into, and that needs torch, which is not installed: pip install torch (once: "
+            "later runs reuse the folder), or give a model folder")
+    try:
+        return resolve_base(expanded, dtype)
+    except GGUFError as exc:
+        raise MLXBackendError(str(exc)) from None
 
 
 def resolve_dtype(name: str) -> Any:

@@ -75,9 +75,16 @@ def _looks_local(base: str) -> bool:
     return base.startswith((".", "/", "~")) or "\\" in base or base.count("/") > 1
 
 
-def source_folder(base: str) -> Path:
-    """The local folder holding ``base``: the folder itself, or the hub snapshot (which must be reachable
-    or already cached)."""
+def source_folder(base: str, dtype: Any = "float32") -> Path:
+    """The local folder holding ``base``: the folder itself, a GGUF base's dequantised folder (in ``dtype``,
+    built on first use), or the hub snapshot (which must be reachable or already cached)."""
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, resolve_base
+
+    if gguf_file(base) is not None:
+        try:
+            return Path(resolve_base(base, dtype))
+        except GGUFError as exc:
+            raise StreamingError(str(exc)) from None
     expanded = Path(os.path.expanduser(base))
     if expanded.is_dir():
         return expanded
@@ -164,7 +171,7 @@ def load_streamed(config: Any, *, report: Report = print, store_root: Path | Non
         raise StreamingError(
             "training.dtype float16 needs a CUDA GPU; use bfloat16 or float32 (or auto) on CPU"
         )
-    source = source_folder(str(config.base))
+    source = source_folder(str(config.base), dtype)
     hf_config = AutoConfig.from_pretrained(str(source))
     check_architecture(hf_config)
     skeleton = build_skeleton(AutoConfig.from_pretrained(str(source)), dtype)

@@ -133,6 +133,11 @@ def _task_capabilities(task: str) -> frozenset[str] | None:
 
 
 def _local_model_type(base: str) -> str | None:
+    from soup_core.default_plugins.transformers import inspect_base
+
+    inspected = inspect_base(base)  # a GGUF base: its header names the architecture (llama, qwen2, ...)
+    if inspected is not None:
+        return inspected[0].architecture if inspected[0] is not None else None
     config = Path(os.path.expanduser(base)) / "config.json"
     try:
         return str(json.loads(config.read_text(encoding="utf-8")).get("model_type") or "") or None
@@ -266,6 +271,8 @@ def memory_budget(config: Any) -> tuple[list[str], str | None, str | None]:
             f"memory budget: skipped (no config.json for {config.base!r} in a local folder or the Hugging "
             "Face cache; nothing is downloaded before the run)"
         )
+        if str(config.base).lower().endswith(".gguf"):
+            skipped = "memory budget: skipped (a GGUF base: its config is known once a load dequantised it)"
         return [skipped], None, None
     try:
         shape = pf.ModelShape.from_config(data)

@@ -384,7 +384,13 @@ def resolve_tier(
 
 def read_model_config(base: str) -> dict[str, Any] | None:
     """The base model's ``config.json``: from its folder, or from the local Hugging Face cache (never the
-    network). None when neither has it."""
+    network), or a GGUF base's dequantised folder once it has been built. None when none has it."""
+    from soup_core.default_plugins.transformers import gguf_file, kept_folder
+
+    found = gguf_file(base)
+    if found is not None:
+        kept = kept_folder(found)
+        base = str(kept) if kept is not None else base
     folder = Path(os.path.expanduser(base))
     path: Path | None = folder / "config.json" if folder.is_dir() else None
     if path is None:

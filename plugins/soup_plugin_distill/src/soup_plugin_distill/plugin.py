@@ -52,8 +52,8 @@ def soup_register_config_fields() -> list[ConfigField]:
             "training.teacher_model",
             _TYPES + "TeacherModel",
             None,
-            "task distill: the teacher to distil from, a local model folder or a hub id; it must share the "
-            "student's tokenizer (required for task distill, refused for other tasks).",
+            "task distill: the teacher to distil from, a local model folder, a .gguf file or a hub id; it must "
+            "share the student's tokenizer (required for task distill, refused for other tasks).",
         ),
         ConfigField(
             "training.distill_divergence",
@@ -156,8 +156,13 @@ def soup_preflight(config: Any) -> PreflightReport | None:
             refusal="task distill needs training.teacher_model: the model to distil from",
             fix="set training.teacher_model to a model folder or hub id that shares the student's tokenizer",
         )
-    folder = local_folder(teacher)
-    if looks_local(teacher) and (folder is None or not folder.is_dir()):
+    from soup_core.default_plugins.transformers import inspect_base
+
+    inspected = inspect_base(teacher, what="training.teacher_model")  # a GGUF teacher: its header
+    if inspected is not None and inspected[1]:
+        return PreflightReport(title=title, refusal=inspected[1])
+    folder = None if inspected is not None else local_folder(teacher)
+    if inspected is None and looks_local(teacher) and (folder is None or not folder.is_dir()):
         return PreflightReport(
             title=title,
             refusal=f"training.teacher_model: model folder {teacher!r} does not exist",

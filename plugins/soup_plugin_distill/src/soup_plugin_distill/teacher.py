@@ -26,6 +26,11 @@ def local_folder(name: str) -> Path | None:
 
 def config_vocab_size(name: str) -> int | None:
     """The ``vocab_size`` in a local model folder's ``config.json`` (None: not a local folder, or unknown)."""
+    from soup_core.default_plugins.transformers import inspect_base
+
+    inspected = inspect_base(name)
+    if inspected is not None:  # a GGUF file: its header counts the tokens
+        return inspected[0].vocabulary if inspected[0] is not None and inspected[0].vocabulary else None
     folder = local_folder(name)
     if folder is None:
         return None
@@ -76,7 +81,14 @@ def load_teacher(name: str, *, dtype: Any, device: Any, error: type[Exception] =
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from soup_core.default_plugins.transformers import GGUFError, gguf_file, resolve_base
+
     folder = local_folder(name)
+    if gguf_file(name) is not None:  # a GGUF teacher: its dequantised folder (built on first use)
+        try:
+            folder = Path(resolve_base(name, dtype))
+        except GGUFError as exc:
+            raise error(str(exc).replace("base:", "training.teacher_model:", 1)) from None
     if folder is not None and not folder.is_dir():
         raise error(
             f"training.teacher_model: model folder {name!r} does not exist; "
@@ -134,7 +146,11 @@ MISSING_TOKENIZER_FIX = (
 
 def refuse_folder_without_tokenizer(teacher_name: str, *, error: type[Exception] = RuntimeError) -> None:
     """A local teacher folder must carry its tokenizer: refused without one (cheap, before any loading)."""
+    from soup_core.default_plugins.transformers import gguf_file
+
     folder = local_folder(teacher_name)
+    if gguf_file(teacher_name) is not None:
+        return  # a GGUF file carries its tokenizer
     if folder is not None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise error(f"{missing_tokenizer_message(teacher_name)}. Fix: {MISSING_TOKENIZER_FIX}")
 
@@ -149,10 +165,13 @@ def check_tokenizer(
     refuse_folder_without_tokenizer(teacher_name, error=error)
     from transformers import AutoTokenizer
 
+    from soup_core.default_plugins.transformers import gguf_file, load_tokenizer
+
     folder = local_folder(teacher_name)
     source = str(folder) if folder is not None else teacher_name
     try:
-        teacher_tokenizer = AutoTokenizer.from_pretrained(source)
+        teacher_tokenizer = (load_tokenizer(teacher_name) if gguf_file(teacher_name) is not None  # from the file
+                             else AutoTokenizer.from_pretrained(source))
     except (OSError, ValueError, TypeError) as exc:
         raise error(
             f"training.teacher_model: cannot load the tokenizer of the teacher {teacher_name!r} ({exc}); "

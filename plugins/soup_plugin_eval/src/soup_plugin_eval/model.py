@@ -25,7 +25,9 @@ def _tokenizer_folder(target: Target) -> str:
     for folder in (target.weights, target.run_dir):
         if folder is not None and (folder / "tokenizer_config.json").is_file():
             return str(folder)
-    return target.base
+    from soup_core.default_plugins.transformers import resolve_base
+
+    return resolve_base(target.base)  # a GGUF base: the tokenizer of its dequantised folder
 
 
 def load(target: Target) -> Loaded:
@@ -36,7 +38,7 @@ def load(target: Target) -> Loaded:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from soup_core.default_plugins.transformers import resolve_dtype
+    from soup_core.default_plugins.transformers import BackendError, resolve_dtype
 
     hf_logging.disable_progress_bar()  # a bar per load is noise in a command that prints results
 
@@ -49,11 +51,15 @@ def load(target: Target) -> Loaded:
         if target.kind == "adapter":
             from peft import PeftModel
 
-            base = AutoModelForCausalLM.from_pretrained(str(Path(target.base).expanduser()), dtype=dtype)
+            from soup_core.default_plugins.transformers import resolve_base
+
+            # a GGUF base loads from its dequantised folder (built on first use)
+            folder = resolve_base(str(Path(target.base).expanduser()), dtype)
+            base = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
             model = PeftModel.from_pretrained(base, str(target.weights))
         else:
             model = AutoModelForCausalLM.from_pretrained(str(target.weights), dtype=dtype)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, BackendError) as exc:
         where = f"base {target.base} with the adapter {target.weights}" if target.kind == "adapter" else target.weights
         raise TargetError(f"cannot load {where}: {exc}") from None
     if tokenizer.pad_token is None:

@@ -146,7 +146,10 @@ def evaluate_run(
     from soup_plugin_unlearn.evaluate import measure, measure_start_and_now
 
     data = record.config.get("data") or {}
-    tok_source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(base)
+    from soup_core.default_plugins.transformers import resolve_base
+
+    # a GGUF base is loaded (below, by the core's loader) from its dequantised folder, tokenizer included
+    tok_source = adapter if (adapter / "tokenizer_config.json").is_file() else Path(resolve_base(base))
     tokenizer = AutoTokenizer.from_pretrained(str(tok_source))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
