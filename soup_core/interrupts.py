@@ -5,13 +5,17 @@ loop has said it can stop at a step boundary (inside :func:`graceful`), the sign
 reads :func:`pending`, saves a checkpoint after the step in progress and raises :class:`RunInterrupted`.
 Anywhere else (loading the model, a second signal) the signal raises :class:`RunInterrupted` at once.
 Either way the run is recorded ``interrupted`` and ``soup train`` exits ``128 + signal`` (130 for
-Ctrl-C, 143 for SIGTERM).
+Ctrl-C, 143 for SIGTERM). Once the run has ended on a signal, a further one (a second Ctrl-C while the
+resume command is printed or the interpreter exits) ends the process at once with that code, quietly: a
+KeyboardInterrupt there would print a traceback from whatever exit bookkeeping it hit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +48,13 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     raise RunInterrupted(signum)
 
 
+def _leave_now(signum: int, frame: FrameType | None) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a stream closed, or caught mid-write by this very signal
+            stream.flush()
+    os._exit(128 + signum)
+
+
 def pending() -> int | None:
     """The signal that asked the run to stop, not yet acted on (None when there is none)."""
     value = _state["pending"]
@@ -51,8 +62,10 @@ def pending() -> int | None:
 
 
 @contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Catch SIGTERM and SIGINT for the block (main thread only; elsewhere it does nothing)."""
+def interruptible(*, then_leave: bool = False) -> Iterator[None]:
+    """Catch SIGTERM and SIGINT for the block (main thread only; elsewhere it does nothing). With
+    ``then_leave`` (a command whose process ends with the run), a block that ends on a signal leaves a
+    further signal ending the process at once, quietly, instead of raising KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -60,11 +73,15 @@ def interruptible() -> Iterator[None]:
     _state["pending"] = None
     for s in previous:
         signal.signal(s, _handler)
+    interrupted = False
     try:
         yield
+    except KeyboardInterrupt:
+        interrupted = then_leave
+        raise
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, _leave_now if interrupted else h)
         _state["pending"] = None
 
 

@@ -6,16 +6,17 @@ name exists). A lock whose process is gone (same host: the pid no longer exists,
 is taken over with a note; a lock from another host is never taken over: this host cannot tell whether
 that run still goes on.
 
-A folder *holds a run's artefacts* when it has any of :data:`KNOWN_ARTEFACTS` (what Soup, transformers and
-peft write into an output folder) or the files a finished run listed in ``.soup_run.json`` (its manifest:
-every top-level entry the run created or changed, plugin logs included). ``--overwrite`` removes exactly
-those, and never anything else in the folder.
+A folder's entries belong to a Soup run only by record, never by name: those its manifest ``.soup_run.json``
+lists (every top-level entry the run created or changed, plugin logs included), and beside a manifest its
+``checkpoint-N`` folders and ``.soup-tmp-*`` leftovers. A run writes its manifest as it claims the folder and
+lists each entry before creating it (:func:`record`), so a run killed mid-way still owns what it left.
+``--overwrite`` removes exactly those; a folder holding anything no manifest lists (the user's own model, an
+older Soup's output without a manifest) is refused, with or without ``--overwrite``, and nothing is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import os
 import shutil
@@ -32,15 +33,8 @@ MANIFEST_NAME = ".soup_run.json"
 #: Temp folders a save writes into before it renames (``.soup-tmp-checkpoint-7``): a leftover is an artefact.
 TMP_PREFIX = ".soup-tmp-"
 
-#: Top-level names (glob patterns) Soup and the engines it drives write into an output folder.
-KNOWN_ARTEFACTS: tuple[str, ...] = (
-    "soup_config.yaml", "soup_data.json", MANIFEST_NAME, "checkpoint-*", f"{TMP_PREFIX}*",
-    "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
-    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
-    "pytorch_model*.bin", "pytorch_model.bin.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "training_args.bin",
-)
+#: This process's claims: folder -> (run id, its entries before the run), for :func:`record`.
+_CLAIMS: dict[Path, tuple[str, dict[str, int]]] = {}
 
 
 class OutputRefused(RuntimeError):
@@ -163,26 +157,34 @@ def release_lock(folder: Path, run_id: str) -> None:
 # ------------------------------------------------------------------------------------------- artefacts
 
 
-def artefacts(folder: Path) -> list[str]:
-    """The top-level names in ``folder`` that a previous run wrote (sorted); never the lock."""
+def _sorted_out(folder: Path) -> tuple[list[str], list[str]]:
+    """The top-level names in ``folder``: (a Soup run's, by its manifest; those no manifest lists), sorted;
+    never the lock, the manifest or their temp files."""
     if not folder.is_dir():
-        return []
-    listed = {str(n) for n in read_manifest(folder).get("artefacts", []) if isinstance(n, str)}
-    found = []
-    for entry in folder.iterdir():
-        name = entry.name
-        if name == LOCK_NAME or name.startswith(f"{LOCK_NAME}."):
+        return [], []
+    manifest = read_json_object(folder / MANIFEST_NAME)
+    listed = {str(n) for n in (manifest or {}).get("artefacts", []) if isinstance(n, str)}
+    own, foreign = [], []
+    for name in sorted(e.name for e in folder.iterdir()):
+        if name.startswith((LOCK_NAME, MANIFEST_NAME, f".{MANIFEST_NAME}.")):
             continue
-        if name in listed or any(fnmatch.fnmatchcase(name, pattern) for pattern in KNOWN_ARTEFACTS):
-            found.append(name)
-    return sorted(found)
+        step = name.removeprefix("checkpoint-")
+        leftover = name.startswith(TMP_PREFIX) or (name.startswith("checkpoint-") and step.isdigit()) or any(
+            name.startswith(f".{n}.") and name.endswith(".tmp") for n in listed)  # atomic_write's temp files
+        (own if name in listed or (manifest is not None and leftover) else foreign).append(name)
+    return own, foreign
 
 
-def describe(folder: Path, names: list[str], limit: int = 6) -> str:
-    """``a, b, c and 4 more``, plus the run that wrote them when its manifest says."""
+def artefacts(folder: Path) -> list[str]:
+    """The top-level names in ``folder`` that a Soup run's manifest says it wrote (sorted)."""
+    return _sorted_out(folder)[0]
+
+
+def describe(folder: Path, names: list[str], limit: int = 6, *, run: bool = True) -> str:
+    """``a, b, c and 4 more``, plus (``run``) the run that wrote them when its manifest says."""
     shown = ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-    run = read_manifest(folder).get("run_id")
-    return shown + (f"; written by run {run}" if run else "")
+    by = read_manifest(folder).get("run_id") if run else None
+    return shown + (f"; written by run {by}" if by else "")
 
 
 def remove_artefacts(folder: Path) -> list[str]:
@@ -208,26 +210,47 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def write_manifest(
-    folder: Path, run_id: str, before: dict[str, int], status: str, extra: dict[str, Any] | None = None
+    folder: Path, run_id: str, before: dict[str, int], status: str, extra: dict[str, Any] | None = None,
+    names: tuple[str, ...] = (),
 ) -> None:
-    """List every top-level entry this run created or changed, so ``--overwrite`` can remove them later."""
+    """List every top-level entry this run created or changed (and ``names``, about to be), so ``--overwrite``
+    can remove them later."""
     from soup_core.io import atomic_write
 
     now = _snapshot(folder)
-    changed = {n for n, t in now.items() if before.get(n) != t}
-    changed |= {str(n) for n in read_manifest(folder).get("artefacts", []) if n in now}  # a resumed run adds
+    changed = {n for n, t in now.items() if before.get(n) != t} | set(names)
+    changed |= {str(n) for n in read_manifest(folder).get("artefacts", []) if n in now or n in names}
     changed -= {LOCK_NAME, MANIFEST_NAME}
-    changed = {n for n in changed if not n.startswith(f"{LOCK_NAME}.")}
+    changed = {n for n in changed if not n.startswith((f"{LOCK_NAME}.", f".{MANIFEST_NAME}."))}
     atomic_write(folder / MANIFEST_NAME, json.dumps(
         {"run_id": run_id, "status": status, **(extra or {}), "artefacts": sorted(changed)}, indent=1))
 
 
+def record(folder: Path, *names: str) -> None:
+    """List ``names`` (top-level entries about to be created in ``folder``) in the manifest of the run this
+    process holds ``folder`` for, before they exist, with whatever else the run created there since: a run
+    killed mid-way still owns what it left. Does nothing where this process holds no claim (another rank)."""
+    claim = _CLAIMS.get(Path(folder).resolve())
+    if claim is not None:
+        write_manifest(folder, claim[0], claim[1], "running", names=names)
+
+
 def _mixed(folder: Path, *, overwrite: bool, resuming: bool) -> list[str]:
     """Another run's files in ``folder`` that ``overwrite`` is to remove ([] when there are none, or the run
-    resumes from there); raises OutputRefused when they are there and neither holds."""
-    found = artefacts(folder)
-    # a run that failed before training wrote only its config, data record and manifest: nothing to mix with
-    if not set(found) - {"soup_config.yaml", "soup_data.json", MANIFEST_NAME} or (resuming and not overwrite):
+    resumes from there); raises OutputRefused when they are there and neither holds, or when the folder holds
+    anything no manifest lists (never removed, not even with ``overwrite``)."""
+    found, foreign = _sorted_out(folder)
+    if resuming and not overwrite:
+        return []
+    if foreign:
+        shown = describe(folder, foreign, run=False)
+        older = "" if (folder / MANIFEST_NAME).is_file() else (
+            " If an older Soup wrote them (before runs recorded what they wrote in .soup_run.json) and you no "
+            "longer need them, delete them by hand")
+        raise OutputRefused(f"output folder {folder} holds files Soup did not write: {shown}; choose another "
+                            f"folder (--output).{older}")
+    # a run that failed before training wrote only its config and data record: nothing to mix with
+    if not set(found) - {"soup_config.yaml", "soup_data.json"}:
         return []
     if overwrite:
         return found
@@ -270,6 +293,9 @@ def claimed(
             note(f"--overwrite: removed from {folder}: {describe(folder, existing)}")
             remove_artefacts(folder)
         before = _snapshot(folder)
+        inherited = tuple(artefacts(folder))  # a resumed run's, or a run's that failed before training
+        write_manifest(folder, run_id, before, "running", names=inherited)  # before the run creates anything
+        _CLAIMS[folder.resolve()] = (run_id, before)
     except BaseException:
         if took:
             release_lock(folder, run_id)
@@ -282,6 +308,7 @@ def claimed(
         status = "interrupted"
         raise
     finally:
+        _CLAIMS.pop(folder.resolve(), None)
         try:
             write_manifest(folder, run_id, before, status, extra if status == "completed" else None)
         except OSError:

@@ -160,7 +160,7 @@ def _resolve_resume(plan: Plan) -> None:
     plan.config.training.resume_from = str(checkpoint)
     plan.lines.append(f"resume from: {checkpoint}")
     step = finished_at(checkpoint, plan.config)
-    if step is not None and read_manifest(checkpoint.parent).get("status") in ("failed", "interrupted"):
+    if step is not None and read_manifest(checkpoint.parent).get("status") in ("failed", "interrupted", "running"):
         # its run trained every step but ended before its final model was saved (a full disk): save it now
         plan.lines.append(f"{checkpoint} is the last step, but its run ended before the trained model was saved: "
                           "this run saves it")
@@ -226,8 +226,11 @@ def execute(
         start_kwargs["run_id"] = run_id
 
     def _train(run_id: str) -> dict[str, Any]:
+        from soup_core.outputs import record
+
         if rank == 0:
             plan.output_dir.mkdir(parents=True, exist_ok=True)
+            record(plan.output_dir, "soup_config.yaml")  # listed before written: a killed run still owns it
             atomic_write(plan.output_dir / "soup_config.yaml", dump_config_yaml(config))
         task = plugins.tasks[config.task]()
         recorders = [(cls(), plugins.recorders.owner(name)) for name, cls in plugins.recorders.items()]
@@ -260,8 +263,9 @@ def execute(
         if rank == 0 and plan.data.get(first_key) is not None:  # what resuming a checkpoint of it checks
             from soup_core.checkpoints import DATA_RECORD, data_record
 
-            record = data_record(plan.data[first_key], plan.base_dir, plan.data_since)
-            atomic_write(plan.output_dir / DATA_RECORD, json.dumps(record, indent=1))
+            rows = data_record(plan.data[first_key], plan.base_dir, plan.data_since)
+            record(plan.output_dir, DATA_RECORD)
+            atomic_write(plan.output_dir / DATA_RECORD, json.dumps(rows, indent=1))
         context = RunContext(
             config=config, run_id=run_id, output_dir=plan.output_dir, training=plan.data.get(first_key),
             task=task, events=events, load_model=load_model, log_metrics=log_metrics, rank=rank,
@@ -278,8 +282,9 @@ def execute(
             raise RuntimeError(f"backend {config.backend!r} (plugin {owner!r}): {type(exc).__name__}: {exc}") from exc
         if rank == 0:  # after the backend saved the model: the card replaces PEFT's and trl's boilerplate
             from soup_core import __version__
-            from soup_core.model_card import run_card, write_card
+            from soup_core.model_card import CARD, run_card, write_card
 
+            record(plan.output_dir, CARD)
             write_card(plan.output_dir, run_card(
                 config=config_dict, data=plan.data, run_id=run_id, losses=tracker.loss_summary(run_id),
                 status=str(result.get("status") or "completed"), version=__version__,

@@ -135,7 +135,9 @@ def test_concurrent_fillers_fill_once_and_a_failed_fill_leaves_nothing(soup_home
         (folder / "half.bin").write_bytes(b"1")
         raise OSError("disk full")
 
-    with pytest.raises(OSError):
+    from soup_core.data import DataError
+
+    with pytest.raises(DataError, match="cannot be used: disk full"):  # one message, the cache named
         filled("t", {"k": 2}, broken)
     assert [e["parts"] for e in entries()] == [{"k": 1}]
     assert sorted(p.name for p in cache_root().iterdir() if p.is_dir()) == [results[0][0].name]
@@ -148,15 +150,26 @@ def test_the_cache_is_bounded_least_recently_used_first(soup_home, monkeypatch):
         (folder / "x.bin").write_bytes(b"1" * 400_000)
         return {}
 
+    from soup_core.data import cache
+
+    def exited() -> None:  # as if each use were by a process that has ended since: it holds no entry now
+        for handle in cache._HELD.values():
+            handle.close()
+        cache._HELD.clear()
+
     monkeypatch.setenv("SOUP_DATA_CACHE_GB", str(1_000_000 / 1024**3))  # room for two entries
     a, _ = filled("t", {"k": "a"}, fill)
     time.sleep(0.02)
     filled("t", {"k": "b"}, fill)
+    exited()
     time.sleep(0.02)
     assert not filled("t", {"k": "a"}, fill)[1]  # a is used again: b is now the least recently used
     time.sleep(0.02)
     filled("t", {"k": "c"}, fill)
     assert sorted(e["parts"]["k"] for e in entries()) == ["a", "c"]
+    # control: an entry a live process still holds is never pruned (this process holds a and c now)
+    filled("t", {"k": "d"}, fill)
+    assert sorted(e["parts"]["k"] for e in entries()) == ["a", "c", "d"]
 
 
 def test_dry_run_fills_the_cache_train_reads_it_and_soup_cache_lists_and_clears(tmp_path, soup_home, tiny_model):

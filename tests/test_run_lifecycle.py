@@ -144,7 +144,6 @@ def test_no_stale_adapter_beside_a_full_model(tiny_model: Path, tmp_path: Path, 
     out = tmp_path / "out"
     assert soup(["train", "-c", str(config)]).returncode == 0
     assert (out / "adapter_config.json").exists()
-    (out / "notes.txt").write_text("mine")
     refused = soup(["train", "-c", str(config)])
     assert refused.returncode == 1 and "--overwrite" in refused.stderr and "adapter_config.json" in refused.stderr
     # the dry run and the --nproc launcher say so before any process starts; with --overwrite the plan passes
@@ -154,12 +153,17 @@ def test_no_stale_adapter_beside_a_full_model(tiny_model: Path, tmp_path: Path, 
         assert "Launching" not in early.stdout
     assert soup(["train", "-c", str(config), "--dry-run", "--overwrite"]).returncode == 0
     assert (out / "adapter_config.json").exists()  # a dry run removes nothing
+    (out / "notes.txt").write_text("mine")
     full = write_yaml(tmp_path / "full.yaml", {**__import__("yaml").safe_load(config.read_text()),
                                                 "training": {"max_steps": 1, "batch_size": 2, "lora": {"r": 0}}})
+    # a file Soup did not write is never removed, nor written beside: the folder is refused, nothing removed
+    kept = soup(["train", "-c", str(full), "--overwrite", "--lr", "0.01"])
+    assert kept.returncode == 1 and "files Soup did not write: notes.txt" in kept.stderr
+    assert (out / "notes.txt").read_text() == "mine" and (out / "adapter_config.json").exists()
+    (out / "notes.txt").unlink()
     done = soup(["train", "-c", str(full), "--overwrite", "--lr", "0.01"])
     assert done.returncode == 0, done.stderr
     assert not (out / "adapter_config.json").exists() and not (out / "adapter_model.safetensors").exists()
-    assert (out / "notes.txt").read_text() == "mine"  # never a file Soup did not write
     ids = torch.tensor([[1, 5, 9, 3]])
     saved = load_file(out / "model.safetensors")
     loaded = AutoModelForCausalLM.from_pretrained(out)

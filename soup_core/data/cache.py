@@ -1,7 +1,11 @@
 """The cache of prepared data under ``$SOUP_HOME/cache/data``: one folder per key, the key a hash of everything
 that decides what is in it (the caller lists it). Written whole or not at all: filled in a temporary folder,
 marked done, renamed into place. Processes that want one entry at once (ranks, concurrent runs) take a lock
-on it, so one fills it and the others read it. Bounded: after a fill the least recently used entries are
+on it (``fcntl.flock``), so one fills it and the others read it; a process that uses an entry keeps a shared
+lock on it until it exits, so neither ``soup cache clear`` nor another run's pruning removes an entry a live
+process writes or reads (they skip it; ``clear`` names the pids). A cache that cannot be written (an unusable
+``SOUP_HOME``, a full disk) fails with one :class:`DataError` naming the folder and the fix.
+Bounded: after a fill the least recently used entries are
 removed until the cache is within ``SOUP_DATA_CACHE_GB`` (default 20) gigabytes. ``soup cache`` lists and clears it.
 
 Pure standard library: ``soup cache`` stays light.
@@ -16,9 +20,12 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from soup_core.data.errors import DataError
 
 DONE = "done.json"  # written last into a folder being filled: a folder with it is complete
 LIMIT_ENV = "SOUP_DATA_CACHE_GB"
@@ -50,44 +57,84 @@ def file_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+#: Shared locks this process keeps on the entries it uses, until it exits.
+_HELD: dict[Path, Any] = {}
+
+
+def _flock(path: Path, mode: str, *, wait: bool = True) -> Any:
+    """``path`` opened and locked (``LOCK_EX`` or ``LOCK_SH``); None where there is no ``fcntl`` (Windows: the
+    rename alone keeps an entry whole) or, not to ``wait``, when another process holds it."""
     try:
         import fcntl
-    except ImportError:  # pragma: no cover - Windows: the rename alone keeps an entry whole
-        yield
-        return
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    except ImportError:  # pragma: no cover
+        return None
+    handle = path.open("a")
+    try:
+        fcntl.flock(handle, getattr(fcntl, mode) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
+def _relock(handle: Any, mode: str) -> None:
+    if handle is not None:  # flock turns a lock into the other kind by dropping it first: never a deadlock
+        import fcntl
+
+        fcntl.flock(handle, getattr(fcntl, mode))
+
+
+def _unusable(root: Path, exc: OSError) -> DataError:
+    from soup_core.data.errors import DataError
+    from soup_core.tracker.store import soup_home
+
+    return DataError("", None, f"the data cache {root} cannot be used: {exc.strerror or exc}",
+                     fix=f"set SOUP_HOME (now {soup_home()}) to a writable folder on a disk with free space, or "
+                         "free space there (soup cache clear removes the cache)")
 
 
 def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[str, Any]]) -> tuple[Path, bool]:
     """The folder of the entry for ``parts``, filled by ``fill(folder)`` first when missing; returns the folder
-    and whether it was filled now. ``fill`` returns facts to keep in the entry's ``done.json`` (under ``meta``)."""
+    and whether it was filled now. ``fill`` returns facts to keep in the entry's ``done.json`` (under ``meta``).
+    The process holds the entry (a shared lock) until it exits. Raises DataError when the cache cannot be
+    written (the folder, the reason and the fix)."""
     root = cache_root()
     final = root / f"{kind}-{cache_key(parts)}"
-    if (final / DONE).is_file():
-        _touch(final)
+    lock = root / f".{final.name}.lock"
+    now, handle = False, None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if lock in _HELD:  # this process's own shared lock would keep its exclusive one waiting forever
+            _HELD.pop(lock).close()
+        handle = _flock(lock, "LOCK_SH")  # waits while another process fills or clears it
+        if not (final / DONE).is_file():
+            _relock(handle, "LOCK_EX")
+            now = not (final / DONE).is_file()  # else another process filled it while this one waited
+        if now:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+            try:
+                meta = dict(fill(tmp))
+                done = {"kind": kind, "parts": dict(parts), "meta": meta, "created": time.time()}
+                (tmp / DONE).write_text(json.dumps(done, default=str))
+                if final.exists():  # an incomplete folder left by a crash before the marker (never renamed here)
+                    shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _touch(final)
+        _relock(handle, "LOCK_SH")
+        if handle is not None:
+            _HELD[lock] = handle
+    except BaseException as exc:
+        if handle is not None and _HELD.get(lock) is not handle:
+            handle.close()
+        if isinstance(exc, OSError):
+            raise _unusable(root, exc) from None
+        raise
+    if not now:
         return final, False
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{final.name}.lock"):
-        if (final / DONE).is_file():  # another process filled it while this one waited
-            return final, False
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-        try:
-            meta = dict(fill(tmp))
-            done = {"kind": kind, "parts": dict(parts), "meta": meta, "created": time.time()}
-            (tmp / DONE).write_text(json.dumps(done, default=str))
-            if final.exists():  # an incomplete folder left by a crash before the marker (never renamed here)
-                shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     prune(keep=final)
     return final, True
 
@@ -132,29 +179,58 @@ def limit_bytes() -> int:
     return int(gb * 1024**3)
 
 
+def _users(lock: Path) -> list[int]:
+    """The pids that hold ``lock`` (Linux's /proc/locks; [] elsewhere): for the message only."""
+    try:
+        inode, lines = lock.stat().st_ino, Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    fields = [line.replace("->", "").split() for line in lines]  # "1: FLOCK ADVISORY READ 4242 08:01:77 0 EOF"
+    return sorted({int(f[4]) for f in fields if len(f) > 5 and f[5].rsplit(":", 1)[-1] == str(inode)})
+
+
+def _remove(folder: Path, skipped: dict[str, list[int]]) -> int | None:
+    """Remove one folder of the cache unless a live process writes or holds it (then noted in ``skipped``, by
+    pid); returns the bytes freed, None when it was skipped."""
+    name = folder.name.removeprefix(".tmp-").rsplit("-", 1)[0] if folder.name.startswith(".tmp-") else folder.name
+    lock = folder.parent / f".{name}.lock"
+    handle = _flock(lock, "LOCK_EX", wait=False) if lock.exists() else None
+    if lock.exists() and handle is None:
+        skipped[folder.name] = _users(lock)
+        return None
+    try:
+        size = _size(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        return size
+    finally:
+        if handle is not None:
+            handle.close()
+
+
 def prune(*, keep: Path | None = None, limit: int | None = None) -> list[str]:
-    """Remove the least recently used entries (never ``keep``) until the cache fits ``limit`` bytes; returns
-    the names removed."""
+    """Remove the least recently used entries (never ``keep``, nor one a live process holds) until the cache
+    fits ``limit`` bytes; returns the names removed."""
     limit = limit_bytes() if limit is None else limit
     listed = entries()
     total = sum(e["bytes"] for e in listed)
-    removed = []
+    removed: list[str] = []
     for entry in reversed(listed):
         if total <= limit:
             break
-        if keep is not None and entry["path"] == keep:
+        if (keep is not None and entry["path"] == keep) or _remove(entry["path"], {}) is None:
             continue
-        shutil.rmtree(entry["path"], ignore_errors=True)
         total -= entry["bytes"]
         removed.append(entry["name"])
     return removed
 
 
-def clear() -> tuple[int, int]:
-    """Remove every entry and leftover; returns (entries removed, bytes freed)."""
-    listed = entries()
+def clear() -> tuple[int, int, dict[str, list[int]]]:
+    """Remove every entry and leftover that no live process writes or holds; returns (folders removed, bytes
+    freed, {folder skipped: the pids using it})."""
     root = cache_root()
-    for folder in root.iterdir() if root.is_dir() else ():
+    removed, freed, skipped = 0, 0, {}
+    for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if folder.is_dir():
-            shutil.rmtree(folder, ignore_errors=True)
-    return len(listed), sum(e["bytes"] for e in listed)
+            size = _remove(folder, skipped)
+            removed, freed = removed + (size is not None), freed + (size or 0)
+    return removed, freed, skipped

@@ -37,8 +37,10 @@ Order: validate the config → check plugins and probes → pre-flight → load 
 
 An output folder belongs to one run at a time (a lock, OUTPUT/.soup.lock), and a folder that holds
 another run's files is refused unless the run resumes from it or --overwrite removes them. --overwrite
-removes only what Soup wrote there: soup_config.yaml, checkpoint-* folders, the model, adapter, tokenizer
-and training_args files, and whatever the previous run listed in OUTPUT/.soup_run.json; nothing else.
+removes only what a Soup run recorded writing there (listed in OUTPUT/.soup_run.json, with its checkpoint-*
+folders); a folder holding files no run recorded (your own model, an older Soup's output) is refused, and
+--overwrite never removes them. An output folder that is, contains or lies inside the base model's folder,
+or that is or contains a data file's or the config file's folder, is refused before anything is touched.
 
 --nproc N trains on N processes of this machine (DDP, or training.sharding); on several machines,
 start the same command on each with --nnodes, its own --node-rank and one --rdzv-endpoint
@@ -116,6 +118,32 @@ def _from_config_folder(config: Any, folder: Path, overrides: dict[str, Any]) ->
     if ("training.resume_from" not in overrides and resume and resume != "latest"
             and not Path(os.path.expanduser(resume)).is_absolute()):
         config.training.resume_from = str(folder / resume)
+
+
+def _overlap(plan: Any, config_dir: Path) -> str | None:
+    """Why ``plan``'s output folder would put a run's files among its inputs: it is, contains or lies inside
+    the base model's folder (a file base: is or contains the file's folder), or it is or contains a data file's
+    folder or the config's own folder (lying inside the config's folder is normal: ./output does). --overwrite
+    could otherwise remove them, and a run's save replace them."""
+    from soup_core.data.build import _entries, _get, _resolve
+
+    out = plan.output_dir.expanduser().resolve()
+    base = Path(os.path.expanduser(str(plan.config.base)))
+    inputs = [(base.resolve(), "the base model's folder")] if base.is_dir() else []
+    if base.is_file():
+        inputs.append((base.resolve().parent, f"the folder of the base model {base}"))
+    for key in plan.data:
+        with contextlib.suppress(Exception):  # the data was read already: what is wrong with it was said
+            inputs += [(_resolve(raw, plan.base_dir).resolve().parent, f"the folder of data file {raw}")
+                       for raw, _, _ in _entries(_get(plan.config.data, key), key)]
+    inputs.append((config_dir, "the config file's folder"))
+    for folder, what in inputs:
+        how = ("is" if out == folder else "contains" if out in folder.parents else
+               "lies inside" if what == "the base model's folder" and folder in out.parents else "")
+        if how:
+            return (f"output: the output folder {out} {how} {what} ({folder}): a run writes and --overwrite "
+                    "removes files there; choose another output folder (-o, or output: in the config)")
+    return None
 
 
 def _blame_options(exc: Any, overrides: dict[str, Any]) -> str:
@@ -251,7 +279,7 @@ def run_train_command(
         return 0
     from soup_core.default_plugins.transformers.checks import output_problem
 
-    problem = output_problem(plan.output_dir)  # whatever the backend: one it has no pre-flight check for
+    problem = output_problem(plan.output_dir) or _overlap(plan, config_path.resolve().parent)
     if problem:
         return fail(problem)
     if dry_run or world > 1:  # what rank 0's claim of the output folder would refuse, before any process starts
@@ -292,7 +320,7 @@ def run_train_command(
     from soup_core.outputs import OutputRefused
 
     try:
-        with interruptible():
+        with interruptible(then_leave=True):
             summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
                               run_id=os.environ.get(RUN_ID_ENV) or None, overwrite=overwrite)
     except OutputRefused as exc:

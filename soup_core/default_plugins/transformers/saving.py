@@ -14,7 +14,7 @@ from typing import Any
 from soup_core.checkpoints import complete_checkpoints
 from soup_core.default_plugins.transformers.loading import BackendError
 from soup_core.io import write_failure
-from soup_core.outputs import TMP_PREFIX
+from soup_core.outputs import TMP_PREFIX, record
 from soup_core.progress import said_if_slow
 
 _AFTER = "free space or fix the permissions, then resume from the last checkpoint (--resume latest)"
@@ -38,6 +38,7 @@ def save_checkpoint(trainer: Any, write: Callable[[], None], trial: Any) -> None
             write()
         trainer.accelerator.wait_for_everyone()  # every rank wrote its part (its RNG state) before the rename
         if trainer.args.should_save:
+            record(run_dir, name)  # the manifest lists it (and what plugins wrote so far) before it exists
             if final.exists():  # the same step saved again: the new one wins
                 shutil.rmtree(final)
             os.replace(staging / name, final)
@@ -76,6 +77,7 @@ def save_final(trainer: Any, output_dir: Path) -> None:
             trainer.save_model(str(staging))
         trainer.accelerator.wait_for_everyone()
         if trainer.args.should_save:
+            record(output_dir, *(entry.name for entry in staging.iterdir()))
             for entry in sorted(staging.iterdir()):
                 target = output_dir / entry.name
                 if target.is_dir() and not target.is_symlink():
