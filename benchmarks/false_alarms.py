@@ -166,21 +166,27 @@ def main(argv: list[str] | None = None) -> int:
                                            watchdog=not args.watchdog_off)
                 cases[key]["tuning_seed"] = seed in data.TUNING_SEEDS
                 _common.say(f"{key}: {json.dumps(cases[key])}")
+                if args.record:  # as it goes: a long suite cut short still leaves what it ran
+                    _common.record(RESULTS, _result(args, cases, torch, complete=False))
+    result = _result(args, cases, torch, complete=True)
+    print(json.dumps(result, indent=2))
+    if args.record:
+        _common.record(RESULTS, result)
+    return 1 if result["failed"] else 0
+
+
+def _result(args: Any, cases: dict[str, dict[str, Any]], torch: Any, *, complete: bool) -> dict[str, Any]:
     failed = [k for k, v in cases.items() if not v.get("ok")]
     import soup_core
 
-    result = {
+    return {
         "goal": "every clean case completes with zero stops, skipped updates and excluded rows; every blow-up "
                 "is stopped with exit 1 naming training.learning_rate, its saved weights finite",
         "guard": args.guard, "watchdog": not args.watchdog_off,
         "tuning_seeds": list(data.TUNING_SEEDS), "untuned_seeds": list(data.UNTUNED_SEEDS),
-        "passed": len(cases) - len(failed), "failed": failed, "cases": cases,
+        "complete": complete, "passed": len(cases) - len(failed), "failed": failed, "cases": cases,
         **_common.machine(torch=torch.__version__, soup=getattr(soup_core, "__version__", None)),
     }
-    print(json.dumps(result, indent=2))
-    if args.record:
-        _common.record(RESULTS, result)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -123,9 +123,9 @@ class Watchdog:
             verdict = (f"is within {PINNED_MARGIN:.0%} of ln V = {self.uniform:.4f}, the loss of a model that "
                        f"predicts every token alike")
         else:
-            verdict = (f"is not {MIN_IMPROVEMENT:.0%} below the median of the {len(before)} value{'s' * (len(before) > 1)} "
-                       f"before it, "
-                       f"{then:.4f} (it had to be under {goal:.4f})")
+            values = f"{len(before)} value{'s' * (len(before) > 1)}"
+            verdict = (f"is not {MIN_IMPROVEMENT:.0%} below the median of the {values} before it, {then:.4f} (it had "
+                       f"to be under {goal:.4f})")
         self.stop_step = step
         self.stop_reason = (
             f"watchdog: {self.where or f'the update at step {b}'} blew up ({what}; the rule: over "
