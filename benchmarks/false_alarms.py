@@ -155,19 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("SOUP_HOME", str(Path(tmp) / "home"))
         tiny = tiny_model_dir()
-        for name in names:
-            for seed in seeds if name not in BLOWUPS else seeds[:1]:
-                key = f"{name}/seed{seed}"
-                workdir = Path(tmp) / key.replace("/", "-")
-                if name in BLOWUPS:
-                    cases[key] = run_blowup(name, seed, workdir, tiny)
-                else:
-                    cases[key] = run_clean(name, seed, workdir, tiny, guard=args.guard,
-                                           watchdog=not args.watchdog_off)
-                cases[key]["tuning_seed"] = seed in data.TUNING_SEEDS
-                _common.say(f"{key}: {json.dumps(cases[key])}")
-                if args.record:  # as it goes: a long suite cut short still leaves what it ran
-                    _common.record(RESULTS, _result(args, cases, torch, complete=False))
+        # seeds outer: a suite cut short has run every set on its first seeds
+        for seed, name in [(seed, name) for seed in seeds for name in names
+                           if name not in BLOWUPS or seed == seeds[0]]:
+            key = f"{name}/seed{seed}"
+            workdir = Path(tmp) / key.replace("/", "-")
+            if name in BLOWUPS:
+                cases[key] = run_blowup(name, seed, workdir, tiny)
+            else:
+                cases[key] = run_clean(name, seed, workdir, tiny, guard=args.guard,
+                                       watchdog=not args.watchdog_off)
+            cases[key]["tuning_seed"] = seed in data.TUNING_SEEDS
+            _common.say(f"{key}: {json.dumps(cases[key])}")
+            if args.record:  # as it goes: a long suite cut short still leaves what it ran
+                _common.record(RESULTS, _result(args, cases, torch, complete=False))
     result = _result(args, cases, torch, complete=True)
     print(json.dumps(result, indent=2))
     if args.record:

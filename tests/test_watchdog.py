@@ -65,6 +65,39 @@ def test_a_gradient_spike_whose_applied_update_is_ordinary_is_no_divergence():
     assert _run(Watchdog(divergence=True, vocab_size=1007), losses, blown, grads) == 21 + IMPROVE_WINDOW
 
 
+def _curriculum_trace():
+    """A curriculum's phase change at step 31: the loss jumps from ~0.05 to 3.0 and falls again, the
+    gradient norm 200 times the median at the change; each applied update ordinary."""
+    losses = [0.05 + 0.01 * (i % 2) for i in range(30)] + [3.0 * 0.85 ** k for k in range(20)]
+    grads = [0.05] * 30 + [10.0] + [2.0 * 0.9 ** k for k in range(19)]
+    return losses, grads
+
+
+def _improving_lora_trace():
+    """LoRA at lr 1e-2, still improving slowly (0.05% a step) under noise; one hard batch's gradient 150
+    times the median at step 494 (the issue's run was stopped there)."""
+    losses = [2.0 * 0.9995 ** t + 0.05 * ((t * 7) % 5 - 2) / 2 for t in range(1, 521)]
+    grads = [0.1] * 520
+    grads[493] = 15.0
+    return losses, grads
+
+
+@pytest.mark.parametrize("trace", [_curriculum_trace, _improving_lora_trace])
+def test_the_issue_s_false_stops_are_no_divergence(trace):
+    """Issue 28: a curriculum's phase change and a LoRA run at lr 1e-2 still improving were stopped by the
+    old rule (a gradient 100 times its median, then no batch 1% below the best one). The applied updates are
+    ordinary (ratio 1e-3): no stop. Control: the update at the spike 50 times the weights, and the loss
+    risen after it, is stopped 8 steps later."""
+    losses, grads = trace()
+    n = len(losses)
+    spike = max(range(n), key=lambda i: grads[i]) + 1
+    assert _run(Watchdog(divergence=True, vocab_size=1007), losses, [1e-3] * n, grads) is None
+    blown = [1e-3] * n
+    blown[spike - 1] = 50.0
+    rises = losses[:spike] + [losses[spike - 1] * 1.5 + 1.0] * (n - spike)  # and the loss rises and stays
+    assert _run(Watchdog(divergence=True, vocab_size=1007), rises, blown, grads) == spike + IMPROVE_WINDOW
+
+
 def test_recovery_is_judged_on_the_window_median_not_the_best_batch():
     """A noisy plateau after a blow-up: no batch beats the best one before it (the old rule's test, which
     stopped), but the median of the 8 steps after it is below the median of the 20 before: it recovered.
