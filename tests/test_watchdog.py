@@ -189,8 +189,9 @@ def test_a_gradient_scaler_overflow_is_not_a_nonfinite_failure(torch_one_thread)
 
 
 def test_a_step_whose_rows_were_all_excluded_has_no_loss(torch_one_thread):
-    """Every row of the step excluded by a controller: no supervised token, so its 0.0 is no loss: not
-    reported, and never the watchdog's reference. Control: a row left in keeps the loss."""
+    """Every row of the step excluded by a controller (or, as the trainer counts, no supervised token at
+    all): its 0.0 is no loss: not reported, and never the watchdog's reference. Control: a row left in keeps
+    the loss."""
     torch = torch_one_thread
     gate, trainer, _ = _gate_for(torch, loss=0.0)
     gate.excluded = {3}
@@ -203,6 +204,10 @@ def test_a_step_whose_rows_were_all_excluded_has_no_loss(torch_one_thread):
     assert gate.mask(kept) and not gate.empty
     gate.before_update(torch.nn.Linear(2, 2), torch.tensor(1.0))
     assert gate.loss == 0.5 and list(gate.watchdog.values) == [0.5]
+    gate.items, trainer._soup_step_loss = torch.tensor(0), torch.tensor(0.0)  # rows without a supervised token
+    gate.mask([{"row_index": torch.tensor([4]), "labels": torch.tensor([[1, 2, 3]])}])
+    gate.before_update(torch.nn.Linear(2, 2), torch.tensor(0.0))
+    assert gate.loss is None and list(gate.watchdog.values) == [0.5]
 
 
 # ------------------------------------------------------------------------------------------ real runs

@@ -66,6 +66,7 @@ class UpdateGate:
         self.step = -1  # the step the gate last decided on
         self.applied = False
         self.empty = False  # every row of the step's micro-batches excluded: no supervised token, no loss
+        self.items: Any = None  # the step's supervised tokens, as the trainer counted them (None: not counted)
         self.overflow = False  # the gradient scaler found this step's scaled gradient not finite
         self.skipped_steps: list[int] = []
         self.said_off = False
@@ -175,7 +176,7 @@ class UpdateGate:
         trainer = self.trainer
         self.step = step = trainer.state.global_step + 1
         self.loss = loss = self._step_loss()
-        if self.empty:
+        if self.empty or (self.items is not None and not int(self.items)):  # (the loss synced already)
             self.loss = loss = None
         norm = None if grad_norm is None else float(grad_norm)
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)

@@ -451,6 +451,7 @@ class SoupTrainerMixin:
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.soup_gate.mask(batches):  # rows a controller excluded add no loss and no token count
             items = self._get_num_items_in_batch(batches, device)
+        self.soup_gate.items = items  # the step's supervised tokens: none, and its 0.0 is no loss
         return batches, items
 
     def _get_grad_norm(self, model, grad_norm=None):
