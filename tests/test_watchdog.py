@@ -42,16 +42,172 @@ def _run(dog: Watchdog, losses: list[float], ratios: list[float], grads: list[fl
 
 def test_divergence_needs_both_signals():
     n = 3 + IMPROVE_WINDOW + 2
-    flat = [6.9] * n
+    flat = [6.0] * n
     blown = [0.01, 0.01, 50.0] + [0.01] * (n - 3)  # the update at step 3 is 50x the weights
     assert _run(Watchdog(divergence=True), flat, blown) == 3 + IMPROVE_WINDOW
     assert _run(Watchdog(divergence=True), flat, [0.01] * n) is None  # control: flat loss, no blow-up
-    recovering = [6.9, 6.9, 6.9] + [6.9 * 0.9 ** k for k in range(1, n - 2)]
+    recovering = [6.0, 6.0, 6.0] + [6.0 * 0.9 ** k for k in range(1, n - 2)]
     assert _run(Watchdog(divergence=True), recovering, blown) is None  # control: it improved after
     assert _run(Watchdog(divergence=False), flat, blown) is None  # a task that declares no objective
-    grads = [1.0, 1.2, 0.9, 1.1, 500.0] + [1.0] * (n - 5)  # a gradient 500x the median also blows up
-    assert _run(Watchdog(divergence=True), flat, [0.01] * n, grads) == 5 + IMPROVE_WINDOW
-    assert _run(Watchdog(divergence=True), flat, [0.01] * n, [g if g < 100 else 50.0 for g in grads]) is None
+
+
+def test_a_gradient_spike_whose_applied_update_is_ordinary_is_no_divergence():
+    """Issue 28: near zero loss one hard batch's gradient norm before clipping is hundreds of times the
+    median while the clipped update applied is ordinary; the old rule stopped such runs. Control: the same
+    step with an update 50 times the weights is stopped."""
+    n = 40
+    losses = [0.002 + 0.001 * (i % 3) for i in range(n)]
+    grads = [0.02] * n
+    grads[20] = 5.8  # 290 times the median
+    assert _run(Watchdog(divergence=True, vocab_size=1007), losses, [1e-3] * n, grads) is None
+    blown = [1e-3] * n
+    blown[20] = 50.0
+    assert _run(Watchdog(divergence=True, vocab_size=1007), losses, blown, grads) == 21 + IMPROVE_WINDOW
+
+
+def _curriculum_trace():
+    """A curriculum's phase change at step 31: the loss jumps from ~0.05 to 3.0 and falls again, the
+    gradient norm 200 times the median at the change; each applied update ordinary."""
+    losses = [0.05 + 0.01 * (i % 2) for i in range(30)] + [3.0 * 0.85 ** k for k in range(20)]
+    grads = [0.05] * 30 + [10.0] + [2.0 * 0.9 ** k for k in range(19)]
+    return losses, grads
+
+
+def _improving_lora_trace():
+    """LoRA at lr 1e-2, still improving slowly (0.05% a step) under noise; one hard batch's gradient 150
+    times the median at step 494 (the issue's run was stopped there)."""
+    losses = [2.0 * 0.9995 ** t + 0.05 * ((t * 7) % 5 - 2) / 2 for t in range(1, 521)]
+    grads = [0.1] * 520
+    grads[493] = 15.0
+    return losses, grads
+
+
+@pytest.mark.parametrize("trace", [_curriculum_trace, _improving_lora_trace])
+def test_the_issue_s_false_stops_are_no_divergence(trace):
+    """Issue 28: a curriculum's phase change and a LoRA run at lr 1e-2 still improving were stopped by the
+    old rule (a gradient 100 times its median, then no batch 1% below the best one). The applied updates are
+    ordinary (ratio 1e-3): no stop. Control: the update at the spike 50 times the weights, and the loss
+    risen after it, is stopped 8 steps later."""
+    losses, grads = trace()
+    n = len(losses)
+    spike = max(range(n), key=lambda i: grads[i]) + 1
+    assert _run(Watchdog(divergence=True, vocab_size=1007), losses, [1e-3] * n, grads) is None
+    blown = [1e-3] * n
+    blown[spike - 1] = 50.0
+    rises = losses[:spike] + [losses[spike - 1] * 1.5 + 1.0] * (n - spike)  # and the loss rises and stays
+    assert _run(Watchdog(divergence=True, vocab_size=1007), rises, blown, grads) == spike + IMPROVE_WINDOW
+
+
+def test_recovery_is_judged_on_the_window_median_not_the_best_batch():
+    """A noisy plateau after a blow-up: no batch beats the best one before it (the old rule's test, which
+    stopped), but the median of the 8 steps after it is below the median of the 20 before: it recovered.
+    Control: a median that does not improve by 1% stops, and the message states the rule and its numbers."""
+    before = [0.0105 if i % 4 == 0 else 0.0125 for i in range(20)]  # best 0.0105, median 0.0125
+    ratios = [1e-3] * 30
+    ratios[19] = 50.0  # the update at step 20
+    assert _run(Watchdog(divergence=True), before + [0.0110] * 10, ratios) is None
+    dog = Watchdog(divergence=True, learning_rate=0.005)
+    assert _run(dog, before + [0.0125] * 10, ratios) == 20 + IMPROVE_WINDOW
+    assert dog.stop_step == 20 + IMPROVE_WINDOW
+    assert dog.stop_reason == (
+        "watchdog: the update at step 20 blew up (the update was 50 times the size of the weights; the rule: over "
+        "10 times) and the median loss of the 8 steps after it, 0.0125, is not 1% below the median of the 20 "
+        "values before it, 0.0125 (it had to be under 0.0124): the run is diverging. Likely cause: the learning "
+        "rate is too high; lower training.learning_rate (now 0.005). The output holds the weights from before "
+        "step 20's update.")
+
+
+def test_a_blown_up_model_pinned_at_ln_v_has_not_recovered():
+    """A random model starts at ln V; blown up at step 1 (LoRA at lr 1e6) it stays pinned there, where noise
+    can take the median 1% below its first loss. Pinned within 2% of ln V is no recovery; control: without
+    the vocabulary's size the same numbers pass as recovered."""
+    losses = [6.88] + [6.80, 6.95, 6.79, 6.81, 6.78, 6.99, 6.80, 6.79] + [6.8] * 3
+    ratios = [1e7] + [1e-3] * 11
+    dog = Watchdog(divergence=True, vocab_size=1007)
+    assert _run(dog, losses, ratios) == 1 + IMPROVE_WINDOW
+    assert "within 2% of ln V = 6.9147, the loss of a model that predicts every token alike" in dog.stop_reason
+    assert _run(Watchdog(divergence=True), losses, ratios) is None
+
+
+def _gate_for(torch, *, scaler=None, loss: float = 1.0):
+    """An update gate over a 4x4 linear layer, driven by its own calls, with a trainer that has
+    ``scaler`` as its accelerator's gradient scaler."""
+    from types import SimpleNamespace
+
+    from soup_core.default_plugins.transformers.gate import UpdateGate
+
+    config = SimpleNamespace(training=SimpleNamespace(watchdog=None, learning_rate=1e-3))
+    task = SimpleNamespace(name="sft", capabilities=("token_cross_entropy",))
+    events = SimpleNamespace(pending_update=lambda event: [], wants_rows=False)
+    said: list[str] = []
+    trainer = SimpleNamespace(
+        _soup_say=said.append, state=SimpleNamespace(global_step=0), soup_stop_reason=None,
+        accelerator=SimpleNamespace(scaler=scaler, num_processes=1), soup_last_metrics={},
+        _soup_step_loss=torch.tensor(loss), _soup_apply=lambda action, step=None: said.append(action.reason))
+    ctx = SimpleNamespace(config=config, events=events, task=task, world_size=1, rank=0)
+    gate = UpdateGate(trainer, SimpleNamespace(ctx=ctx))
+    return gate, trainer, said
+
+
+def test_a_gradient_scaler_overflow_is_not_a_nonfinite_failure(torch_one_thread):
+    """fp16's gradient scaler (a real torch.amp.GradScaler, on the CPU) starts at a scale whose scaled
+    gradient overflows; it skips those updates and lowers its scale itself. The gate neither skips nor counts
+    them, however many in a row; control: the same infinite gradient norm without a scaler is skipped, and
+    5 in a row stop the run."""
+    from soup_core.default_plugins.transformers.watchdog import NONFINITE_WINDOW
+
+    torch = torch_one_thread
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    gate, trainer, said = _gate_for(torch, scaler=scaler)
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(1, NONFINITE_WINDOW + 3):
+        trainer.state.global_step, trainer._soup_step_loss = step - 1, torch.tensor(1.0)
+        loss = (model(torch.ones(2, 4)) * 1e3).square().sum()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert not torch.isfinite(norm)
+        gate.before_update(model, norm)
+        assert gate.applied and gate.overflow
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        metrics = gate.after_update(step, norm)
+        assert metrics.get("grad_scaler_overflow") == 1.0 and "update_skipped" not in metrics
+    assert not said and gate.watchdog.nonfinite_steps == []
+    assert all(torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))  # the scaler skipped
+    assert scaler.get_scale() < 2.0 ** 127
+    plain, trainer, said = _gate_for(torch)  # control: no scaler
+    for step in range(1, NONFINITE_WINDOW + 1):
+        trainer.state.global_step, trainer._soup_step_loss = step - 1, torch.tensor(1.0)
+        plain.before_update(model, torch.tensor(math.inf))
+        assert not plain.applied
+    assert any("not finite at 5 steps in a row" in m for m in said)
+
+
+def test_a_step_whose_rows_were_all_excluded_has_no_loss(torch_one_thread):
+    """Every row of the step excluded by a controller (or, as the trainer counts, no supervised token at
+    all): its 0.0 is no loss: not reported, and never the watchdog's reference. Control: a row left in keeps
+    the loss."""
+    torch = torch_one_thread
+    gate, trainer, _ = _gate_for(torch, loss=0.0)
+    gate.excluded = {3}
+    batches = [{"row_index": torch.tensor([3]), "labels": torch.tensor([[5, 6, 7]])}]
+    assert gate.mask(batches) and gate.empty
+    gate.before_update(torch.nn.Linear(2, 2), torch.tensor(0.0))
+    assert gate.loss is None and list(gate.watchdog.values) == []
+    kept = [{"row_index": torch.tensor([3, 4]), "labels": torch.tensor([[5, 6, 7], [1, 2, 3]])}]
+    trainer._soup_step_loss = torch.tensor(0.5)
+    assert gate.mask(kept) and not gate.empty
+    gate.before_update(torch.nn.Linear(2, 2), torch.tensor(1.0))
+    assert gate.loss == 0.5 and list(gate.watchdog.values) == [0.5]
+    gate.items, trainer._soup_step_loss = torch.tensor(0), torch.tensor(0.0)  # rows without a supervised token
+    gate.mask([{"row_index": torch.tensor([4]), "labels": torch.tensor([[1, 2, 3]])}])
+    gate.before_update(torch.nn.Linear(2, 2), torch.tensor(0.0))
+    assert gate.loss is None and list(gate.watchdog.values) == [0.5]
 
 
 # ------------------------------------------------------------------------------------------ real runs
@@ -141,6 +297,54 @@ def test_clean_quickstart_data_is_never_stopped_nor_skipped(run_training, tmp_pa
     assert result.status == "completed"
     assert not [s.step for s in result.steps if "update_skipped" in s.metrics]
     assert max(s.metrics["update_ratio"] for s in result.steps) < 1.0
+
+
+FALSE_ALARMS = Path(__file__).parent / "fixtures" / "false_alarms"  # README there: the sets and their seeds
+
+
+def _clean(result) -> None:
+    assert result.status == "completed"
+    assert not [s.step for s in result.steps if "update_skipped" in s.metrics or "rows_excluded" in s.metrics]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, fmt, seed, steps", [("classification", "chat", 0, 230),
+                                                    ("sentiment", "alpaca", 1, 110)])
+def test_quickstart_settings_on_clean_sets_train_to_the_end(run_training, name, fmt, seed, steps):
+    """Issue 28: the quickstart's settings on clean 200-row classification and sentiment sets were stopped as
+    diverging by the old rule (classification seed 0 at step 218: a gradient 116 times the median near loss
+    0.002, the update applied ordinary; sentiment seed 1 at step 100, 154 times)."""
+    config = _config(FALSE_ALARMS / f"{name}.jsonl", max_steps=steps, seed=seed)
+    config["data"].update(seed=seed, format=fmt)
+    result = run_training(config)
+    _clean(result)
+    assert len(result.steps) == steps and max(s.metrics["update_ratio"] for s in result.steps) < 1.0
+
+
+@pytest.mark.slow
+def test_lora_at_learning_rate_1e6_is_stopped_with_the_adapter_from_before(run_training, quickstart_data,
+                                                                           torch_one_thread):
+    """Issue 28: LoRA (the default) at lr 1e6 ended "Done", exit 0, its loss pinned at ln V and its adapter
+    weights at 4.5e6. The update at step 1 blows up, the loss stays at ln V: stopped after 8 steps, and the
+    adapter saved is the one from before step 1 (LoRA's B starts at zero). Control: without the watchdog the
+    run completes with B blown up."""
+    torch = torch_one_thread
+    with pytest.raises(TrainingFailed) as caught:
+        run_training(_config(quickstart_data, learning_rate=1e6, max_steps=30, lora={"r": 8}))
+    failed = caught.value
+    assert failed.exit_code == 1 and "training.learning_rate" in failed.message
+    assert "the update at step 1 blew up" in failed.message and "ln V" in failed.message
+    assert f"Stopping at step {1 + IMPROVE_WINDOW}:" in failed.output
+    output = Path(next(e for e in failed.events if type(e).__name__ == "RunStart").output_dir)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(output / "adapter_model.safetensors"))
+    b = [t for k, t in saved.items() if "lora_B" in k]
+    assert b and all(torch.equal(t, torch.zeros_like(t)) for t in b)
+    off = run_training(_config(quickstart_data, learning_rate=1e6, max_steps=2, lora={"r": 8}, watchdog=False))
+    assert off.status == "completed"
+    blown = load_file(str(off.output_dir / "adapter_model.safetensors"))
+    assert max(float(t.abs().max()) for k, t in blown.items() if "lora_B" in k) > 1e5
 
 
 @pytest.mark.slow
@@ -302,7 +506,8 @@ def test_a_declared_step_metric_is_judged_one_step_late():
             break
         dog.after_update(step, 1.0, 50.0 if step == 1 else 0.01)
     assert steps[-1] == "stop" and len(steps) == 1 + IMPROVE_WINDOW + 1  # values for steps 2..9 after it
-    assert "the kl never improved on 5.0000" in (dog.stop_reason or "")
+    assert "the median kl of the 8 steps after it, 5.0000, is not 1% below the median of the 1 value before it, " \
+        "5.0000" in (dog.stop_reason or "")
     control = Watchdog(divergence=True, signal="kl")  # control: the metric halves after the blow-up
     for step in range(1, 14):
         value = None if step == 1 else (5.0 if step == 2 else 2.0)
@@ -349,7 +554,7 @@ class _Declares:
 @pytest.mark.slow
 def test_a_task_that_declares_its_metric_is_stopped_by_it(run_training, quickstart_data):
     config = {**_config(quickstart_data, learning_rate=1e6, max_steps=20), "task": "declares"}
-    with pytest.raises(TrainingFailed, match="the flat never improved") as caught:
+    with pytest.raises(TrainingFailed, match="the median flat of the 8 steps after it") as caught:
         run_training(config, plugins=[("declares", _Declares("flat"))])
     assert caught.value.exit_code == 1
     plain = run_training(config, plugins=[("declares", _Declares(""))])  # control: nothing declared
@@ -389,7 +594,7 @@ def test_a_divergence_stop_saves_the_adapter_from_before_the_first_bad_update(
     if nan_after:
         monkeypatch.setenv("SOUP_TEST_NONFINITE_STEPS", ",".join(str(s) for s in range(13, 41)))
     with pytest.raises(TrainingFailed) as caught:
-        run_training(_config(quickstart_data, max_steps=40, lora={"r": 8}))
+        run_training(_config(quickstart_data, max_steps=40, lora={"r": 8}, save_steps=4))
     assert caught.value.exit_code == 1 and "training.learning_rate" in caught.value.message
     assert ("not finite at 5 steps in a row (13-17" in caught.value.message) == nan_after
     assert caught.value.message.endswith(f"The output holds the weights from before step {12 if limit else 9}'s "
@@ -397,6 +602,13 @@ def test_a_divergence_stop_saves_the_adapter_from_before_the_first_bad_update(
     stop = max(captured)
     kept = 12 if limit else 9
     assert f"saved weights: those from before step {kept}'s update" in caught.value.output
+    assert f"Stopping at step {stop}: watchdog" in caught.value.output  # the step decided on
+    # checkpoints 12 and 16 hold the blown-up weights: removed; the stop saves none of its own
+    from soup_core.checkpoints import complete_checkpoints
+
+    output = Path(next(e for e in caught.value.events if type(e).__name__ == "RunStart").output_dir)
+    assert [k for k, _ in complete_checkpoints(output)] == [4, 8]
+    assert "removed checkpoint-12, checkpoint-16" in caught.value.output
     from soup_core.tracker import Tracker
 
     (record,) = Tracker(soup_home / "experiments.db").list_runs()

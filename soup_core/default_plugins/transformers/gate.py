@@ -54,15 +54,20 @@ class UpdateGate:
         self.signal = str(getattr(task, "divergence_metric", "") or "") or (
             "loss" if "token_cross_entropy" in getattr(task, "capabilities", ()) else "")
         if watchdog_enabled(config):
+            model_config = getattr(getattr(trainer, "model", None), "config", None)
             self.watchdog = Watchdog(
                 divergence=bool(self.signal), signal=self.signal or "loss",
                 learning_rate=float(config.training.learning_rate),
+                vocab_size=getattr(model_config, "vocab_size", None),
             )
         self.excluded: set[int] = set()
         self.rows: list[tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]] = []
         self.loss: float | None = None  # the step's loss, reduced over ranks, measured before the update
         self.step = -1  # the step the gate last decided on
         self.applied = False
+        self.empty = False  # every row of the step's micro-batches excluded: no supervised token, no loss
+        self.items: Any = None  # the step's supervised tokens, as the trainer counted them (None: not counted)
+        self.overflow = False  # the gradient scaler found this step's scaled gradient not finite
         self.skipped_steps: list[int] = []
         self.said_off = False
         self.started = False  # the first micro-batches have been through mask()
@@ -105,6 +110,7 @@ class UpdateGate:
         if not self.started:
             self.started = True
             self._same_on_every_rank()
+        self.empty = False
         if not self.excluded:
             return False
         for batch in batches:
@@ -118,6 +124,8 @@ class UpdateGate:
                     labels[batch["token_slot"] == slot] = IGNORE
                 else:
                     labels[slot] = IGNORE
+        # a step left without a supervised token has no loss: its 0.0 is neither reported nor a reference
+        self.empty = all(bool((b["labels"] == IGNORE).all()) for b in batches if b.get("labels") is not None)
         return True
 
     def _same_on_every_rank(self) -> None:
@@ -168,11 +176,17 @@ class UpdateGate:
         trainer = self.trainer
         self.step = step = trainer.state.global_step + 1
         self.loss = loss = self._step_loss()
+        if self.empty or (self.items is not None and not int(self.items)):  # (the loss synced already)
+            self.loss = loss = None
         norm = None if grad_norm is None else float(grad_norm)
+        scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        # fp16: the scaler skips an update whose scaled gradient overflowed and lowers its scale itself
+        self.overflow = bool(scaler is not None and scaler.is_enabled() and norm is not None
+                             and not math.isfinite(norm))
         actions: list[Any] = []
         if self.watchdog is not None:
             objective = "loss" if self.signal == "loss" else trainer.soup_last_metrics.get(self.signal)
-            verdict = self.watchdog.before_update(step, loss, norm, objective)
+            verdict = self.watchdog.before_update(step, loss, norm, objective, overflow=self.overflow)
             if verdict == "skip":
                 actions.append(SkipUpdate("watchdog: the loss or gradient is not finite"))
             elif verdict == "stop":
@@ -194,9 +208,10 @@ class UpdateGate:
                 if action.failed:
                     self._window_blew_up(step)  # a stop inside a window: did the window's updates blow up?
                     action = self._saving(action)
-                trainer._soup_apply(action)
+                trainer._soup_apply(action, step=step)  # the step decided on, whose update is not applied
                 if action.failed and self.kept is not None:
                     self._restore(self.kept)
+                    self._drop_checkpoints_since(self.kept_step)
             else:  # a rollback or a coefficient change now would meet gradients taken before it
                 from soup_core.default_plugins.transformers.loading import BackendError
 
@@ -246,7 +261,7 @@ class UpdateGate:
         dog = self.watchdog
         if dog is None or not dog.divergence or dog.blowup is not None:
             return
-        grad = dog.grad_blowup(grad_norm) is not None
+        grad = dog.grad_blowup(grad_norm)
         first = self.window_start
         if first is not None and not grad and step - first < WINDOW:
             return
@@ -308,9 +323,29 @@ class UpdateGate:
                 _local(p.data).copy_(kept)
         self.trainer._soup_say(f"saved weights: those from before step {self.kept_step}'s update")
 
+    def _drop_checkpoints_since(self, step: int | None) -> None:
+        """Remove this run's checkpoints saved after step ``step``'s update blew up (``checkpoint-k``, k >=
+        step, holds the blown-up weights and optimizer state), so ``--resume latest`` never takes one."""
+        args = getattr(self.trainer, "args", None)
+        if step is None or args is None or not args.should_save:
+            return
+        import shutil
+        from pathlib import Path
+
+        from soup_core.checkpoints import complete_checkpoints
+
+        dropped = [path for k, path in complete_checkpoints(Path(args.output_dir)) if k >= step]
+        for path in dropped:
+            shutil.rmtree(path, ignore_errors=True)
+        if dropped:
+            names = ", ".join(p.name for p in dropped)
+            self.trainer._soup_say(f"removed {names}: saved after step {step}'s update blew up")
+
     def after_update(self, step: int, grad_norm: Any) -> dict[str, float]:
         """Metrics of the step just taken (``update_skipped``, ``update_ratio``); notes a blow-up."""
         metrics: dict[str, float] = {"rows_excluded": float(len(self.excluded))} if self.excluded else {}
+        if self.overflow:
+            metrics["grad_scaler_overflow"] = 1.0
         if not self.applied:
             return {**metrics, "update_skipped": 1.0}
         ratio = None
@@ -325,8 +360,6 @@ class UpdateGate:
             if self.before is not None:
                 self.kept, self.before = self.before, [torch.empty_like(_local(p)) for p in self.params]
                 self.kept_step = step
-            elif self.window_start == step:  # too big: copied before this update, its gradient norm blew up
-                self.kept, self.kept_step = self.host, step
         elif self.watchdog is not None and self.watchdog.blowup is None and self.kept is not None:
             self.kept, self.kept_step = None, None  # it recovered: nothing to go back to
             self.window_start = None  # a new window, not measured against the weights before the blow-up

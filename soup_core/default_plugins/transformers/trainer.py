@@ -451,6 +451,7 @@ class SoupTrainerMixin:
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.soup_gate.mask(batches):  # rows a controller excluded add no loss and no token count
             items = self._get_num_items_in_batch(batches, device)
+        self.soup_gate.items = items  # the step's supervised tokens: none, and its 0.0 is no loss
         return batches, items
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -470,6 +471,8 @@ class SoupTrainerMixin:
             if self._soup_signalled():  # pre-emption: checkpoint this step through the loop's own save, stop
                 self.control.should_save = True
                 self.control.should_training_stop = True
+        if self.soup_stop_failed:  # no checkpoint of a failed run's last state for --resume latest to take
+            self.control.should_save = False
         return super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
@@ -537,12 +540,13 @@ class SoupTrainerMixin:
         if self._soup.ctx.rank == 0:
             self._soup.ctx.report(message)
 
-    def _soup_apply(self, action: Any) -> None:
+    def _soup_apply(self, action: Any, step: int | None = None) -> None:
         if isinstance(action, Stop):
             self.control.should_training_stop = True
             self.soup_stop_reason = action.reason or "stopped by a controller"
             self.soup_stop_failed = bool(getattr(action, "failed", False))
-            self._soup_say(f"Stopping at step {self.state.global_step}: {self.soup_stop_reason}")
+            at = self.state.global_step if step is None else step  # the update gate decides on the next step
+            self._soup_say(f"Stopping at step {at}: {self.soup_stop_reason}")
         elif isinstance(action, SetCoefficient):
             current = getattr(self, action.name, None) if action.name in self.soup_coefficients else None
             if current is None or isinstance(current, bool) or not isinstance(current, (int, float)):
