@@ -140,10 +140,10 @@ class GuardRule:
     its median and :data:`GUARD_SPREADS` robust deviations (a ratio alone fires on noise once the median is
     near zero), and at least the floor over the previous step's loss (a phase change that lifts every later
     step is a new level, not an outlier: one update is skipped, not the window's worth). A non-finite step is
-    always acted on. The rows it names carry at least ``ADVICE_SHARE`` of the
-    step's loss *and* are outliers among the rows of the window's steps by the same two margins and at least
-    the floor over the median of the step's other rows (a row of a 4-row batch always carries a large share;
-    that alone names nothing), or are not finite.
+    always acted on. The rows it names carry at least ``ADVICE_SHARE`` of the step's loss *and* are outliers
+    among the rows of the window's steps by the same two margins and at least the floor over the median of
+    the step's other rows (a row of a 4-row batch always carries a large share; that alone names nothing),
+    or are not finite.
     """
 
     def __init__(self) -> None:
