@@ -77,7 +77,7 @@ def run_card(
         f"- final loss: {_num(losses.get('last'))}",
         f"- best loss: {_num(losses.get('min'))}"
         + (f" (step {losses['min_step']})" if losses.get("min_step") is not None else ""),
-        *(f"- {what} by a controller: {losses[key]}" for key, what in (
+        *(f"- {label} by a controller: {losses[key]}" for key, label in (
             ("rows_excluded", "training rows excluded"), ("updates_skipped", "updates skipped")) if losses.get(key)),
         "",
         "## Data", "",
