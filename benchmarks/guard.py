@@ -15,6 +15,7 @@ control; plus the gate's own work timed alone (the guard's decision on a step's 
 the trainable weights and the update's size) as a share of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/guard.py --record
+    OMP_NUM_THREADS=1 python benchmarks/guard.py --direct-only   # the guard's decision alone (issue 28)
 """
 
 from __future__ import annotations
@@ -182,19 +183,44 @@ def by_place(runs: Any, orders: list[list[str]]) -> dict[str, float]:
 
 
 def guard_direct(reps: int = 2000, batch: int = 4) -> float:
-    """CPU ms per step of the spike guard's decision on a step's rows (no spike: the common case)."""
+    """CPU ms per step of the spike guard's decision on a step's rows (no spike: the common case). The rows'
+    losses vary (drawn beforehand), so the rule's sorted windows of step and row losses do their real work."""
+    import random
+
     from soup_core.events import PendingUpdate, RunStart
     from soup_plugin_rewind.guard import SpikeGuard
 
     guard = SpikeGuard()
     config = type("C", (), {"training": type("T", (), {"spike_guard": "quarantine"})()})()
+    rng = random.Random(0)
+    losses = [tuple(rng.uniform(1.5, 2.5) for _ in range(batch)) for _ in range(reps)]
     with tempfile.TemporaryDirectory() as tmp:
         guard.on_run_start(RunStart("r", tmp, config, "f", 100))
         rows = tuple(range(batch))
         start = time.thread_time()
         for step in range(1, reps + 1):
-            guard.before_update(PendingUpdate(step, 2.0, 1.0, rows, (2.0,) * batch, (256,) * batch))
+            guard.before_update(PendingUpdate(step, 2.0, 1.0, rows, losses[step - 1], (256,) * batch))
         return (time.thread_time() - start) * 1000 / reps
+
+
+def direct_only() -> None:
+    """``--direct-only``: the guard's decision alone (issue 28's rule), at 4 and 32 rows a step, recorded
+    beside the last full run as a share of its median step (CPU)."""
+    old = json.loads(RESULTS.read_text(encoding="utf-8")) if RESULTS.is_file() else {}
+    step_ms = (old.get("median_step_ms") or {}).get("off")
+    measured = {f"guard_decision_cpu_ms_per_step_{b}_rows": round(min(guard_direct(batch=b) for _ in range(3)), 4)
+                for b in (4, 32)}
+    result = {
+        "issue": 28,
+        "what": "the spike guard's decision per step (GuardRule: step and row windows), timed directly, best of "
+        "3 x 2000 steps; share of the median step of this file's last full run (tiny model, CPU)",
+        **measured,
+        "pct_of_recorded_tiny_step_4_rows": round(100 * measured["guard_decision_cpu_ms_per_step_4_rows"]
+                                                  / step_ms, 4) if step_ms else None,
+        **_common.machine(),
+    }
+    print(json.dumps(result, indent=2))
+    _common.record("guard", {**old, "direct_issue28": result})
 
 
 def snapshot_direct(model: Any, reps: int = 300) -> float:
@@ -220,7 +246,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per run; pairs = rounds x steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the window")
     parser.add_argument("--record", action="store_true", help=f"write {RESULTS}")
+    parser.add_argument("--direct-only", action="store_true",
+                        help="time the guard's decision alone and record it into the last result (issue 28)")
     args = parser.parse_args()
+    if args.direct_only:
+        direct_only()
+        return
     if args.rounds * args.steps < 15:
         parser.error("at least 15 pairs: --rounds x --steps >= 15")
     import datasets

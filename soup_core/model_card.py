@@ -76,7 +76,10 @@ def run_card(
         f"- steps: {losses.get('steps', 0)}",
         f"- final loss: {_num(losses.get('last'))}",
         f"- best loss: {_num(losses.get('min'))}"
-        + (f" (step {losses['min_step']})" if losses.get("min_step") is not None else ""), "",
+        + (f" (step {losses['min_step']})" if losses.get("min_step") is not None else ""),
+        *(f"- {label} by a controller: {losses[key]}" for key, label in (
+            ("rows_excluded", "training rows excluded"), ("updates_skipped", "updates skipped")) if losses.get(key)),
+        "",
         "## Data", "",
         "| key | files | format | fingerprint | training rows | validation rows |",
         "|---|---|---|---|---|---|",

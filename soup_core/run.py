@@ -285,10 +285,13 @@ def execute(
             from soup_core.model_card import CARD, run_card, write_card
 
             record(plan.output_dir, CARD)
+            losses = tracker.loss_summary(run_id)
             write_card(plan.output_dir, run_card(
-                config=config_dict, data=plan.data, run_id=run_id, losses=tracker.loss_summary(run_id),
+                config=config_dict, data=plan.data, run_id=run_id, losses=losses,
                 status=str(result.get("status") or "completed"), version=__version__,
                 base_file=(result.get("base_gguf_path"), result.get("base_gguf_sha256"))))
+            # in the run's summary too (soup runs show, the Done line): never a silent thinning of the data
+            result.update({k: losses[k] for k in ("rows_excluded", "updates_skipped") if losses[k]})
         return result
 
     try:

@@ -224,6 +224,20 @@ def test_loss_summary_ignores_nan_for_the_minimum(tracker: Tracker) -> None:
     summary = tracker.loss_summary(run_id)
     assert summary["steps"] == 5
     assert (summary["first"], summary["last"], summary["min"], summary["min_step"]) == (3.0, 2.5, 2.0, 2)
+    assert (summary["rows_excluded"], summary["updates_skipped"]) == (0, 0)  # control: no controller acted
+
+
+def test_loss_summary_counts_the_rows_and_updates_controllers_took_out(tracker: Tracker) -> None:
+    """The gate's step metrics: ``rows_excluded`` is a running count (its largest value is the run's),
+    ``update_skipped`` marks each skipped step (issue 28: a run never thins its data silently)."""
+    run_id = tracker.start_run(**RUN)
+    steps = [{"loss": 2.0}, {"loss": 9.0, "update_skipped": 1.0, "rows_excluded": 1.0},
+             {"loss": 1.9, "rows_excluded": 1.0}, {"loss": 8.0, "update_skipped": 1.0, "rows_excluded": 3.0},
+             {"loss": 1.8, "rows_excluded": 3.0}]
+    for step, metrics in enumerate(steps, start=1):
+        tracker.log_metrics(run_id, step, metrics)
+    summary = tracker.loss_summary(run_id)
+    assert (summary["rows_excluded"], summary["updates_skipped"], summary["steps"]) == (3, 2, 5)
 
 
 # ----------------------------------------------------------------------------------------- references

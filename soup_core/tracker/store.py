@@ -409,7 +409,8 @@ class Tracker:
         return list(steps.items())
 
     def loss_summary(self, run_id: str, key: str = "loss") -> dict[str, Any]:
-        """Step count and the first, last and lowest ``key`` values of a run (None where not measured).
+        """Step count and the first, last and lowest ``key`` values of a run (None where not measured), and
+        ``rows_excluded`` / ``updates_skipped``: how many training rows and updates controllers took out.
 
         ``min`` ignores NaN; ``min_step`` is the step it was measured at.
         """
@@ -425,6 +426,11 @@ class Tracker:
             finite = [pair for pair in values if not math.isnan(pair[1])]
             if finite:
                 out["min_step"], out["min"] = min(finite, key=lambda pair: pair[1])
+        # what controllers did, from the backend's step metrics: rows kept out of the loss (a running count)
+        # and updates vetoed (docs/plugins.md, "Acting before an update")
+        acted = self._read("SELECT MAX(CASE WHEN key = 'rows_excluded' THEN value END), SUM(CASE WHEN key = "
+                           "'update_skipped' AND value > 0 THEN 1 ELSE 0 END) FROM metrics WHERE run_id = ?", (run_id,))
+        out["rows_excluded"], out["updates_skipped"] = (int(v or 0) for v in (acted[0] if acted else (0, 0)))
         return out
 
 

@@ -1,4 +1,5 @@
-"""Nothing accepted and ignored in the rl tasks: a LoRA dropout trl would switch off is refused, trl's
+"""Nothing accepted and ignored in the rl tasks: a LoRA dropout trl would switch off is refused with trl's
+reason (0, what trl does, is accepted; the default is said to be 0 in the plan), trl's
 reward, KL, clip and preference-reward metrics reach the tracker (and ``soup runs show``), and a GRPO variant
 that trains as another at its settings says so once, naming the setting that makes them differ."""
 
@@ -25,13 +26,52 @@ PAIRS = [{"prompt": "Q?", "chosen": " a", "rejected": " b"}] * 4
 PROMPTS = [{"prompt": "Q?", "answer": "4"}] * 4
 
 
-@pytest.mark.parametrize("task", ["dpo", "grpo"])
-def test_a_lora_dropout_trl_would_switch_off_is_refused(tmp_path, dry_run, tiny_model, task):
+@pytest.mark.parametrize(("task", "value"), [("dpo", 0.5), ("grpo", 0.05)])  # 0.05 by hand: the run uses 0
+def test_a_lora_dropout_trl_switches_off_is_refused_with_its_reason_and_0_accepted(
+        tmp_path, dry_run, tiny_model, task, value):
     rows = PAIRS if task == "dpo" else PROMPTS
-    code, out = dry_run(_config(tmp_path, tiny_model, task, {"lora": {"dropout": 0.1}}, rows))
-    assert code == 1 and "training.lora.dropout: not honoured" in out and f"task '{task}'" in out, out
-    code, out = dry_run(_config(tmp_path, tiny_model, task, {}, rows))  # control: left alone, it runs
-    assert code == 0, out
+    code, out = dry_run(_config(tmp_path, tiny_model, task, {"lora": {"dropout": value}}, rows))
+    assert code == 1 and f"training.lora.dropout: {value} cannot be honoured by task {task}" in out, out
+    assert "disable_dropout" in out and "set training.lora.dropout: 0" in out, out
+    code, out = dry_run(_config(tmp_path, tiny_model, task, {"lora": {"dropout": 0.0}}, rows))
+    assert code == 0 and "LoRA dropout" not in out, out  # what the run does: accepted, nothing to say
+    code, out = dry_run(_config(tmp_path, tiny_model, task, {}, rows))  # default: the plan says it is 0
+    assert code == 0 and "LoRA dropout: 0, not the default 0.05 (trl's disable_dropout" in out, out
+
+
+def test_the_installed_trl_switches_the_lora_dropout_off():
+    """What the refusal says, asked of the installed trl and peft: every rl config class sets disable_dropout,
+    its trainers call disable_dropout_in_model with it, and that sets a LoRA dropout's p to 0 (control: before
+    the call it is the configured 0.5)."""
+    import inspect
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from soup_plugin_rl.capabilities import find_pair
+    from soup_plugin_rl.tasks import TASKS
+
+    for task in TASKS:
+        if task.name == "ppo":
+            continue
+        trainer_cls, config_cls = find_pair(task.trl_needs.pair)
+        assert "disable_dropout" in inspect.signature(config_cls).parameters, task.name
+        assert "disable_dropout_in_model" in inspect.getsource(trainer_cls.__init__), task.name
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return self.proj(x)
+
+    model = get_peft_model(Tiny(), LoraConfig(r=2, lora_dropout=0.5, target_modules=["proj"]))
+    drops = [m for n, m in model.named_modules() if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.5 for m in drops)
+    disable_dropout_in_model(model)
+    assert all(m.p == 0 for m in drops)
 
 
 def _note_lines(out: str) -> list[str]:

@@ -1,6 +1,7 @@
 """focal_sft end to end, with the core's test kit: train the shipped sample (one poisoned row) and ask
-``soup rewind`` which row made the spike; the same data without that row shows no spike; and the per-row
-losses the run reports are the focal loss's, not the cross-entropy's."""
+``soup rewind`` which row made the spike (and the spike guard quarantines that row alone); the same data
+without that row shows no spike; and the per-row losses the run reports are the focal loss's, not the
+cross-entropy's."""
 
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def test_rewind_ranks_the_poisoned_row_first(run_training, tmp_path: Path, torch
     clean_run = run_training(config, plugins=[("focal", focal)])
     assert clean_run.status == "completed"
     assert rewind_report(clean, clean_run.run_id)["spikes"] == []
+
+
+def test_the_spike_guard_quarantines_the_poisoned_row_alone(run_training, tmp_path: Path, torch_one_thread) -> None:
+    """The rewind plugin's guard (issue 28: it acts on outliers only) still takes row 29 of the sample, and no
+    other row; the Done line counts it."""
+    result = run_training(sample_config(tmp_path, spike_guard="quarantine"), plugins=[("focal", focal)])
+    records = [json.loads(x) for x in (result.output_dir / "quarantine.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in records] == [POISONED] and records[0]["line"] == POISONED + 1, records
+    later = [m for m in result.micro if m.step > records[0]["step"] and POISONED in m.rows]
+    assert later and all(m.row_tokens[m.rows.index(POISONED)] == 0 for m in later)  # never trained on again
+    assert "(1 training row excluded, 1 update skipped" in result.output
 
 
 def first_step_losses(run_training, tmp_path: Path, **config: Any) -> dict[int, float]:

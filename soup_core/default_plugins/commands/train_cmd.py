@@ -337,8 +337,16 @@ def run_train_command(
         return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
     if summary.get("stop_failed"):  # the watchdog stopped a run that went wrong: the row says stopped
         return fail(f"run {summary.get('run_id')} stopped: {summary.get('stop_reason')}")
-    console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}")
+    console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}{_acted(summary)}")
     return 0
+
+
+def _acted(summary: dict[str, Any]) -> str:
+    """What controllers took out of the run (``Tracker.loss_summary``), for the Done line: never silent."""
+    rows, updates = int(summary.get("rows_excluded") or 0), int(summary.get("updates_skipped") or 0)
+    said = [f"{n} {what if n == 1 else plural} {done}" for n, what, plural, done in (
+        (rows, "training row", "training rows", "excluded"), (updates, "update", "updates", "skipped")) if n]
+    return f" ({', '.join(said)}: the run's output above names each)" if said else ""
 
 
 #: training path -> the flag that sets it, to print the command that resumes a run as it was started

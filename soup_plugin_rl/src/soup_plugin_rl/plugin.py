@@ -84,10 +84,9 @@ def _core_fields(task: type[RLTask]) -> frozenset[str]:
     from soup_core.default_plugins.transformers import HONOURED_FIELDS
 
     # Preference and GRPO examples are built by trl from the rows: there is no response-only switch and no
-    # packing. Every task here trains with trl's disable_dropout (the policy and its reference must score a
-    # sequence alike), which turns the LoRA dropout off too: a dropout set in the config is refused, not
-    # accepted and then switched off.
-    fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing", "training.lora.dropout"}
+    # packing. training.lora.dropout is honoured as what trl does with it (dropout 0): the pre-flight check
+    # refuses any other value (DROPOUT_OFF says why).
+    fields = set(HONOURED_FIELDS) - {"data.train_on_responses_only", "data.packing"}
     if not task.honours_max_length:
         fields.discard("data.max_length")
     return frozenset(fields)
@@ -151,6 +150,27 @@ def _trl_present() -> ProbeResult:
 
 # ------------------------------------------------------------------------------------------ pre-flight
 
+#: Why the LoRA dropout is 0 in every task here: each passes trl's ``disable_dropout`` (so that the policy
+#: and its reference score a sequence alike), and trl's ``disable_dropout_in_model`` then sets ``p = 0`` on
+#: every ``torch.nn.Dropout`` of the model, PEFT's LoRA dropout included (trl 1.16;
+#: tests/test_trustworthy.py asks the installed trl).
+DROPOUT_OFF = ("trl's disable_dropout, which every rl task sets so that the policy and its reference score a "
+               "sequence alike, sets every dropout layer to 0, the LoRA dropout included")
+
+
+def _dropout(task: type[RLTask], lora: Any) -> PreflightReport | str | None:
+    """A refusal for a LoRA dropout the run cannot honour, or the plan's line saying it is 0."""
+    if int(lora.r) == 0 or float(lora.dropout) == 0:
+        return None
+    if "dropout" in getattr(lora, "model_fields_set", ()):
+        return PreflightReport(
+            f"rl: {task.name}",
+            refusal=f"training.lora.dropout: {lora.dropout} cannot be honoured by task {task.name}: "
+            + DROPOUT_OFF,
+            fix="set training.lora.dropout: 0 (what the run does), or remove it",
+        )
+    return f"LoRA dropout: 0, not the default {lora.dropout} ({DROPOUT_OFF})"
+
 
 def preflight_lines(config: Any) -> PreflightReport | None:
     """The rl part of the plan, or a refusal (what, and how to fix it)."""
@@ -167,6 +187,9 @@ def preflight_lines(config: Any) -> PreflightReport | None:
                 refusal=f"task {task.name} needs training.beta above 0, got {t.beta}",
                 fix="set training.beta (0.1 is usual)",
             )
+    dropout = _dropout(task, t.lora)
+    if isinstance(dropout, PreflightReport):
+        return dropout
     reference = task.uses_reference(config)
     if reference and t.lora.r == 0:
         return PreflightReport(
@@ -176,7 +199,7 @@ def preflight_lines(config: Any) -> PreflightReport | None:
             fix="set training.lora.r above 0"
             + (" (or training.beta: 0 for grpo)" if task is GRPOTask else ""),
         )
-    lines = []
+    lines = [dropout] if dropout else []
     if reference:
         lines.append("reference: the base model with the LoRA adapter disabled")
     if preference:

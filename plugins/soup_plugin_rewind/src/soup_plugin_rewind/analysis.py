@@ -16,6 +16,13 @@ MIN_HISTORY = 3  # ... and needs at least this many of them
 ADVICE_SHARE = 0.5  # the advice line prints when the top row carries at least this share
 RECURRING_TOP = 3  # "row 17 is in the top 3 of 4 spikes"
 RECURRING_MAX_SPIKES = 1000  # spikes whose rows are read for the callout (each is a seek and a read)
+# The spike guard's acting rule (GuardRule), stricter than the listing's: tuned on the false-alarm seeds 0 and 1
+# (tests/fixtures/false_alarms), checked on 2-5. A poisoned row's loss stood 4.0-6.7 nats over the window's
+# median (garbage is many times less likely per token than anything the run has learnt); clean hard rows at
+# most 3.9, and those only while the loss still fell fast (a wide spread), else at most 2.4.
+GUARD_FLOOR = 3.0  # nats: an acting spike is at least this far over the median of the window ...
+GUARD_SPREADS = 4.0  # ... and at least this many robust deviations (1.4826 x the median absolute deviation)
+MAD_SCALE = 1.4826  # the median absolute deviation times this estimates a normal spread's standard deviation
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,110 @@ class SpikeRule:
     def restore(self, history: Iterable[float]) -> None:
         self.window = deque(history)
         self.ordered = sorted(self.window)
+
+
+def _median(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def _spread(ordered: Sequence[float], centre: float) -> float:
+    """The robust spread of sorted ``ordered`` around ``centre``: :data:`MAD_SCALE` x the median absolute
+    deviation."""
+    return MAD_SCALE * _median(sorted(abs(x - centre) for x in ordered)) if ordered else 0.0
+
+
+def _peers(ranked: Sequence[RankedRow], row: int) -> float:
+    """The median loss of the step's other measured rows (-inf without any): a row of a step whose every row
+    rose (a new phase of the data) is no outlier of its step."""
+    others = sorted(r.loss for r in ranked if r.row != row and r.tokens > 0 and not r.nonfinite)
+    return _median(others) if others else -math.inf
+
+
+@dataclass(frozen=True)
+class GuardSpike:
+    """A step the guard acts on: its loss against the window (``baseline`` the median, ``spread`` the robust
+    deviation; None for a non-finite step) and the rows it names (each an outlier among the run's rows)."""
+
+    step: int
+    loss: float
+    baseline: float | None
+    spread: float | None
+    rows: tuple[RankedRow, ...]
+    row_baseline: float | None
+
+    def describe(self) -> str:
+        """The rule with the numbers it used, for the printed action."""
+        if self.baseline is None or self.spread is None or not math.isfinite(self.loss):
+            return f"step {self.step}'s loss is not finite"
+        over = self.loss - self.baseline
+        return (f"step {self.step}'s loss {self.loss:.4g} is {over:.3g} over the median {self.baseline:.4g} of the "
+                f"last {BASELINE_WINDOW} steps (the guard acts at {SPIKE_FACTOR:g}x it, at least {GUARD_FLOOR:g} "
+                f"over it and the previous step, and {GUARD_SPREADS:g} robust deviations of {self.spread:.3g})")
+
+
+class GuardRule:
+    """The spike guard's acting rule, online, from earlier steps only (docs/config.md, "spike_guard").
+
+    A step is acted on when it is a spike by rewind's definition (:class:`SpikeRule`, whose listing it never
+    changes) and also stands out from the window in absolute terms: at least :data:`GUARD_FLOOR` nats over
+    its median and :data:`GUARD_SPREADS` robust deviations (a ratio alone fires on noise once the median is
+    near zero), and at least the floor over the previous step's loss (a phase change that lifts every later
+    step is a new level, not an outlier: one update is skipped, not the window's worth). A non-finite step is
+    always acted on. The rows it names carry at least ``ADVICE_SHARE`` of the step's loss *and* are outliers
+    among the rows of the window's steps by the same two margins and at least the floor over the median of
+    the step's other rows (a row of a 4-row batch always carries a large share; that alone names nothing),
+    or are not finite.
+    """
+
+    def __init__(self) -> None:
+        self.spikes = SpikeRule()
+        self.row_window: deque[list[float]] = deque()
+        self.row_ordered: list[float] = []
+        self.previous: float | None = None  # the last finite step's loss
+
+    def check(self, step: int, loss: float | None, rows: Sequence[RowStat]) -> GuardSpike | None:
+        """The verdict on ``step`` (None: leave it be); the step then joins the history."""
+        window = list(self.spikes.ordered)
+        spike = self.spikes.check(step, loss)
+        verdict = None
+        if spike is not None and loss is not None:  # the window's statistics only for a spike: most steps pay nothing
+            row_base = _median(self.row_ordered) if self.row_ordered else None
+            row_spread = _spread(self.row_ordered, row_base) if row_base is not None else 0.0
+            ranked = rank_rows(rows)
+            if spike.severity == "critical":
+                verdict = GuardSpike(step, loss, spike.baseline, None, tuple(r for r in ranked if r.nonfinite),
+                                     row_base)
+            else:
+                base = _median(window)
+                spread = _spread(window, base)
+                jump = self.previous is None or loss - self.previous >= GUARD_FLOOR  # a level shift is no outlier
+                if jump and loss - base >= max(GUARD_FLOOR, GUARD_SPREADS * spread):
+                    named = tuple(r for r in advised_rows(ranked) if r.nonfinite or (
+                        row_base is not None and r.loss - row_base >= max(GUARD_FLOOR, GUARD_SPREADS * row_spread)
+                        and r.loss - _peers(ranked, r.row) >= GUARD_FLOOR))
+                    verdict = GuardSpike(step, loss, base, spread, named, row_base)
+        if loss is not None and math.isfinite(loss):
+            self.previous = loss
+            self._add_rows([r.loss for r in rows if r.tokens > 0 and not r.nonfinite])
+        return verdict
+
+    def observe(self, step: int, loss: float | None, row_losses: Sequence[float] | None) -> None:
+        """History only (a resumed run replaying its log): ``row_losses`` None where they were not read."""
+        self.spikes.check(step, loss)
+        if loss is not None and math.isfinite(loss):
+            self.previous = loss
+            if row_losses is not None:
+                self._add_rows(row_losses)
+
+    def _add_rows(self, losses: Sequence[float]) -> None:
+        self.row_window.append(list(losses))
+        for x in losses:
+            bisect.insort(self.row_ordered, x)
+        if len(self.row_window) > BASELINE_WINDOW:
+            for x in self.row_window.popleft():
+                del self.row_ordered[bisect.bisect_left(self.row_ordered, x)]
 
 
 def find_spikes(

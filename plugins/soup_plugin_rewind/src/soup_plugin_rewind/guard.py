@@ -1,11 +1,13 @@
 """The spike guard (``training.spike_guard: off | skip | quarantine``): a controller that acts before an
-update, on exactly the steps ``soup rewind`` would flag.
+update, on the steps its own rule (:class:`~soup_plugin_rewind.analysis.GuardRule`) finds.
 
 Each step's loss is the token-weighted mean of its rows (every micro-batch, every rank), as rewind computes
-it from the log, and :class:`SpikeRule` judges it from earlier steps only. On a spike the update is skipped;
-``quarantine`` also excludes the rows rewind's advice rule names (non-finite, or at least ``ADVICE_SHARE`` of
-the step's loss) for the rest of the run. Each action is a ``guard`` line in the rewind log (the recorder
-writes it after the step's micro-batches) and each quarantined row a line of ``quarantine.jsonl``.
+it from the log. The guard acts on a subset of the spikes ``soup rewind`` lists: a spike that also stands
+out in absolute terms (a floor in nats and a robust spread over the window), or a non-finite step. The update
+is skipped; ``quarantine`` also excludes the rows the rule names (a non-finite row, or one carrying at least
+``ADVICE_SHARE`` of the step's loss that is itself an outlier among the window's rows) for the rest of the
+run. Each action is printed with the row, its file and line; it is a ``guard`` line in the rewind log (the
+recorder writes it after the step's micro-batches) and each quarantined row a line of ``quarantine.jsonl``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, ClassVar
 
 from soup_core.contracts import Controller, ControllerAction, ExcludeRows, SkipUpdate
 from soup_core.events import PendingUpdate, RunStart
-from soup_plugin_rewind.analysis import SpikeRule, advised_rows, rank_rows
+from soup_plugin_rewind.analysis import BASELINE_WINDOW, GuardRule, GuardSpike
 from soup_plugin_rewind.logfile import LOG_NAME, row_stats
 
 MODES = ("off", "skip", "quarantine")
@@ -56,7 +58,7 @@ class SpikeGuard(Controller):
 
     def __init__(self) -> None:
         self.mode = "off"
-        self.rule = SpikeRule()
+        self.rule = GuardRule()
         self.quarantined: dict[int, dict[str, Any]] = {}  # row -> its quarantine.jsonl record
         self.out: Path | None = None
         self.rank = 0
@@ -91,9 +93,13 @@ class SpikeGuard(Controller):
                 "(training.rewind_log: true)"
             )
         found = read_log(log)
-        for i, at in enumerate(found.steps):
-            if at <= step:
-                self.rule.check(at, found.step_loss(i))
+        upto = [i for i, at in enumerate(found.steps) if at <= step]
+        recent = set(upto[-2 * BASELINE_WINDOW:])  # the rows' window: read only the steps it can still hold
+        for i in upto:
+            at = found.steps[i]
+            rows = ([r.loss for r in found.step_rows(at) if r.tokens > 0 and not r.nonfinite]
+                    if i in recent else None)
+            self.rule.observe(at, found.step_loss(i), rows)
         path = self.out / QUARANTINE_FILE
         if path.is_file():
             for line in path.read_text(encoding="utf-8").splitlines():
@@ -109,31 +115,52 @@ class SpikeGuard(Controller):
         if self.mode == "off":
             return ()
         stats = row_stats([(event.rows, event.row_loss, event.row_tokens)])
-        spike = self.rule.check(event.step, step_loss(stats))
+        spike = self.rule.check(event.step, step_loss(stats), stats)
         if spike is None:
             return ()
-        what = ("not finite" if spike.ratio is None
-                else f"{spike.loss:.4g}, {spike.ratio:.1f}x the baseline {spike.baseline:.4g}")
-        actions: list[ControllerAction] = [SkipUpdate(f"spike guard: step {event.step}'s loss is {what}")]
-        named = [r for r in advised_rows(rank_rows(stats)) if r.row not in self.quarantined]
-        if self.mode == "quarantine" and named:
-            rows = tuple(r.row for r in named)
-            actions.append(ExcludeRows(rows, f"spike guard: rows behind step {event.step}",
-                                       tuple(r.share for r in named)))
+        named = [r for r in spike.rows if r.row not in self.quarantined]
+        quarantine = self.mode == "quarantine" and bool(named)
+        if quarantine:
             self._quarantine(event.step, named)
+        what = f"spike guard: {spike.describe()}; " + self._rows_said(spike, named, quarantine)
+        actions: list[ControllerAction] = [SkipUpdate(what)]
+        if quarantine:
+            actions.append(ExcludeRows(tuple(r.row for r in named), f"spike guard: rows behind step {event.step}",
+                                       tuple(r.share for r in named)))
         if self.rank == 0 and self.out is not None:
             NOTES.setdefault((str(self.out), self.rank), []).append({
-                "kind": "guard", "step": event.step,
-                "action": "quarantine" if self.mode == "quarantine" and named else "skip",
+                "kind": "guard", "step": event.step, "action": "quarantine" if quarantine else "skip",
                 "loss": spike.loss if math.isfinite(spike.loss) else None, "baseline": spike.baseline,
-                "rows": [{"row": r.row, "share": r.share} for r in named] if self.mode == "quarantine" else [],
+                "rows": [{"row": r.row, "share": r.share} for r in named] if quarantine else [],
             })
         return actions
 
-    def _quarantine(self, step: int, named: Sequence[Any]) -> None:
+    def _rows_said(self, spike: GuardSpike, named: Sequence[Any], quarantine: bool) -> str:
+        """Which rows the action concerns, each with its file and line."""
+        if quarantine:
+            return "quarantined " + ", ".join(self._where(r, spike) for r in named)
+        if named:  # skip mode, or rows already out: named, not excluded
+            return "behind it (not quarantined): " + ", ".join(self._where(r, spike) for r in named)
+        top = spike.rows[0] if spike.rows else None
+        return ("no row of it stands out from the run's rows, none quarantined" if top is None
+                else f"row {top.row} is quarantined already")
+
+    def _where(self, r: Any, spike: GuardSpike) -> str:
+        record = self.quarantined.get(r.row)
+        file, line = ((record["file"], record["line"]) if record else self._origin(r.row))
+        place = f" ({file} line {line})" if file else ""
+        if r.nonfinite:
+            return f"row {r.row}{place}, loss not finite"
+        typical = f", the run's rows' median {spike.row_baseline:.3g}" if spike.row_baseline is not None else ""
+        return f"row {r.row}{place}, loss {r.loss:.4g}{typical}, {r.share:.0%} of the step"
+
+    def _origin(self, row: int) -> tuple[str | None, int | None]:
         rebuilt = self._rebuild()
+        return (rebuilt.origin(row) if rebuilt is not None else None) or (None, None)
+
+    def _quarantine(self, step: int, named: Sequence[Any]) -> None:
         for r in named:
-            file, line = (rebuilt.origin(r.row) if rebuilt is not None else None) or (None, None)
+            file, line = self._origin(r.row)
             self.quarantined[r.row] = {"row": r.row, "file": file, "line": line, "step": step, "share": r.share}
         if self.rank == 0:
             self._write_quarantine()

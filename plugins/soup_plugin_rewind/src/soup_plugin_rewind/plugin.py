@@ -36,8 +36,9 @@ def soup_register_config_fields() -> list[ConfigField]:
             path="training.spike_guard",
             annotation=Literal["off", "skip", "quarantine"],
             default="off",
-            description="Before an update, a spike by soup rewind's rule skips it (skip); quarantine also "
-            "excludes the rows rewind would name for the rest of the run (quarantine.jsonl).",
+            description="Before an update, a spike soup rewind lists that also stands out from the run's noise "
+            "skips it (skip); quarantine also excludes the outlier rows behind it for the rest of the run "
+            "(quarantine.jsonl).",
         ),
     ]
 
