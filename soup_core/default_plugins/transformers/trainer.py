@@ -280,6 +280,10 @@ class SoupTrainerMixin:
         self.soup_interrupted_by: int | None = None  # the signal that stopped the run at a step
         self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
         self._soup_own_loss = type(self).soup_token_loss is not SoupTrainerMixin.soup_token_loss
+        if isinstance(self, SFTTrainer):  # loss and per-row numbers without the whole logits (chunked_loss.py)
+            from soup_core.default_plugins.transformers.chunked_loss import install
+
+            install(self.model)
         from soup_core.default_plugins.transformers.gate import UpdateGate
 
         self.soup_gate = UpdateGate(self, setup)
