@@ -112,3 +112,4 @@ def test_a_model_that_transforms_its_logits_keeps_trls_head(tiny_model):
     assert chunked_loss.applies_to(model)
     model.config.final_logit_softcapping = 30.0
     assert not chunked_loss.applies_to(model) and not chunked_loss.install(model)
+

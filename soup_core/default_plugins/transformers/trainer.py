@@ -4,8 +4,8 @@ Seams used (all public or documented for subclassing in transformers/trl):
 
 - ``get_train_dataloader``: a batch sampler that yields :func:`soup_core.data.micro_batches` for the
   epoch the trainer state is in, sharded by rank, so every micro-batch holds the core's rows.
-- ``compute_loss``: trl computes the loss through its fused LM head, whose output carries each token's
-  log-probability and label mask. A forward hook keeps that output, so the per-row loss sums and
+- ``compute_loss``: trl computes the loss through a fused LM head (Soup's chunked one, ``chunked_loss.py``,
+  where it is exact), whose output carries each token's log-probability and label mask. A forward hook keeps that output, so the per-row loss sums and
   supervised-token counts come from the same forward pass as the loss that is back-propagated.
 - ``training_step``: the step loss, as the trainer itself accumulates it.
 - ``_maybe_log_save_evaluate``: called by the loop right after every optimizer step with the step's
