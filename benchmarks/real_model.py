@@ -9,7 +9,8 @@ conversation trained (trl's default for chat rows; Soup's ``data.train_on_respon
   of its own run through a small wrapper that times ``Trainer.train`` (wall and process CPU) and reports the
   process's peak resident memory (``ru_maxrss``) at exit. Both train the same rows once, so the same tokens:
   tokens/s of Soup over trl is trl's training time over Soup's (goal >= 1.0); peak resident memory of Soup
-  over trl (goal <= 1.0, and <= 0.75).
+  over trl (goal <= 1.0, and <= 0.75). The trl script sets ``bf16=False``: trl's ``SFTConfig`` defaults to bf16
+  autocast even on a CPU (much faster on one with AMX), and the recipe is fp32 on both sides.
 - ``original``: the whole ``soup train`` (start-up, loading, data, training, saving) against the original tool,
   soup-cli 0.77.0 in its own environment, given the same model folder and rows (goal <= 0.85x wall). Timed as
   whole processes (``_common.timed_process``), no wrapper.
@@ -77,6 +78,7 @@ tokenizer = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 args = SFTConfig(output_dir=out, num_train_epochs=1, learning_rate={LR}, per_device_train_batch_size={BATCH},
                  gradient_accumulation_steps=1, use_cpu=True, report_to="none", disable_tqdm=True, seed=42,
+                 bf16=False, fp16=False,  # trl's default is bf16 autocast, on a CPU too; the recipe is fp32
                  save_strategy="no", eval_strategy="no", max_length={MAX_LENGTH}, logging_steps=8,
                  gradient_checkpointing=False, activation_checkpointing=False, dataloader_num_workers=0)
 trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
@@ -227,8 +229,8 @@ def main() -> None:
     result.update(_common.machine())
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))
-    if args.record:
-        _common.record(RESULTS, result)
+    if args.record:  # a run of some parts (--only) replaces those parts and keeps the others
+        _common.record(RESULTS, result, merge=lambda old: {**(old if isinstance(old, dict) else {}), **result})
 
 
 if __name__ == "__main__":
