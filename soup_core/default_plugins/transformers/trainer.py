@@ -4,9 +4,10 @@ Seams used (all public or documented for subclassing in transformers/trl):
 
 - ``get_train_dataloader``: a batch sampler that yields :func:`soup_core.data.micro_batches` for the
   epoch the trainer state is in, sharded by rank, so every micro-batch holds the core's rows.
-- ``compute_loss``: trl computes the loss through its fused LM head, whose output carries each token's
-  log-probability and label mask. A forward hook keeps that output, so the per-row loss sums and
-  supervised-token counts come from the same forward pass as the loss that is back-propagated.
+- ``compute_loss``: trl computes the loss through a fused LM head (Soup's chunked one, ``chunked_loss.py``,
+  where it is exact), whose output carries each token's log-probability and label mask. A forward hook
+  keeps that output, so the per-row loss sums and supervised-token counts come from the same forward pass
+  as the loss that is back-propagated.
 - ``training_step``: the step loss, as the trainer itself accumulates it.
 - ``_maybe_log_save_evaluate``: called by the loop right after every optimizer step with the step's
   grad norm and learning rate; the optimizer-step event and controller actions happen there, before
@@ -280,6 +281,11 @@ class SoupTrainerMixin:
         self.soup_interrupted_by: int | None = None  # the signal that stopped the run at a step
         self._soup_hook = self.model.register_forward_hook(self._soup_keep_output)
         self._soup_own_loss = type(self).soup_token_loss is not SoupTrainerMixin.soup_token_loss
+        # loss and per-row numbers without the whole logits (chunked_loss.py); sharded heads keep trl's
+        if isinstance(self, SFTTrainer) and str(getattr(setup.config.training, "sharding", "none")) == "none":
+            from soup_core.default_plugins.transformers.chunked_loss import install
+
+            install(self.model)
         from soup_core.default_plugins.transformers.gate import UpdateGate
 
         self.soup_gate = UpdateGate(self, setup)
