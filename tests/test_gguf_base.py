@@ -97,8 +97,22 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
 
     listed = CliRunner().invoke(cache_app, ["list"])
     assert "1 dequantised GGUF bases" in listed.output and folder.name in listed.output, listed.output
+    # a process that uses the folder (this one: resolve_base holds it until exit) keeps it, and so the temp
+    # folder of one that dequantises it now
+    import os
+
+    from soup_core.data import cache
+
+    building = folder.parent / f".tmp-{folder.name}-x1y2"
+    building.mkdir()
     cleared = CliRunner().invoke(cache_app, ["clear"])
-    assert "removed 1 dequantised GGUF bases" in cleared.output and not folder.exists() and gguf.entries() == []
+    assert "removed 0 dequantised GGUF bases (0 B)" in cleared.output and folder.is_dir(), cleared.output
+    assert (f"skipped 2 dequantised GGUF bases in use by pid {os.getpid()}: {building.name}, {folder.name}"
+            in cleared.output) and building.is_dir()
+    cache._HELD.pop(folder.parent / f".{folder.name}.lock").close()  # control: as if this process had ended
+    cleared = CliRunner().invoke(cache_app, ["clear"])
+    assert "removed 2 dequantised GGUF bases" in cleared.output and "skipped" not in cleared.output
+    assert not folder.exists() and not building.exists() and gguf.entries() == []
 
 
 def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_path: Path, soup_home: Path,
