@@ -342,8 +342,12 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
     target.parent.mkdir(parents=True, exist_ok=True)
     # named as the data cache names a folder being filled, so soup cache clear finds its lock
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    bars = hf_logging.is_progress_bar_enabled()
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+
+    bars, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_loader, "tqdm", None)
     hf_logging.disable_progress_bar()  # transformers' per-file bars; the message above says what is going on
+    if bar is not None:  # its own tqdm, which that switch does not reach: off here only, put back below
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
     try:
         try:
             loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -373,6 +377,8 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
             if not (target / RECORD).is_file():
                 raise
     finally:
+        if bar is not None:
+            gguf_loader.tqdm = bar
         if bars:
             hf_logging.enable_progress_bar()
         if tmp.exists():
