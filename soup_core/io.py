@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write", "read_json_object", "write_failure", "umask"]
+__all__ = ["atomic_write", "read_json_object", "write_failure", "umask", "record_output"]
 
 
 def umask() -> int:
@@ -39,6 +39,15 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes, *, encoding: s
             pass
         raise
     return target
+
+
+def record_output(folder: str | os.PathLike[str], *names: str) -> None:
+    """Say, before creating them, which top-level entries of the run's output ``folder`` a save is about to
+    create (``checkpoint-7``, the final model's files): the run's manifest lists them first, so a run killed
+    mid-save still owns them and ``--overwrite`` removes them. Does nothing where this process runs no run there."""
+    from soup_core.outputs import record
+
+    record(Path(folder), *names)
 
 
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:

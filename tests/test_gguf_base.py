@@ -74,15 +74,20 @@ def test_a_truncated_file_and_a_folder_of_several_are_refused_plainly(
 
 
 def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
-        tiny_model: Path, tiny_gguf: Path, soup_home: Path, torch_one_thread) -> None:
+        tiny_model: Path, tiny_gguf: Path, soup_home: Path, torch_one_thread, capfd) -> None:
     torch = torch_one_thread
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    bar = "Converting and de-quantizing GGUF tensors"
     folder = Path(gguf.resolve_base(str(tiny_gguf), torch.float32, report=None))
+    assert bar not in capfd.readouterr().err  # Soup's own message says it; transformers' bar stays quiet
     assert json.loads((folder / gguf.RECORD).read_text())["sha256"] == gguf.file_sha256(tiny_gguf)
     assert not json.loads((folder / "config.json").read_text()).get("quantization_config")
     direct = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
                                                   dtype=torch.float32).state_dict()
+    # control, and nothing leaks: the same load outside Soup's dequantisation shows the bar
+    assert bar in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()
     cached = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).state_dict()
     assert direct.keys() == cached.keys() and all(torch.equal(direct[k], cached[k]) for k in direct)
     # the control: the check tells weights apart (Q8_0 rounded the tiny model's own weights)
@@ -97,8 +102,22 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
 
     listed = CliRunner().invoke(cache_app, ["list"])
     assert "1 dequantised GGUF bases" in listed.output and folder.name in listed.output, listed.output
+    # a process that uses the folder (this one: resolve_base holds it until exit) keeps it, and so the temp
+    # folder of one that dequantises it now
+    import os
+
+    from soup_core.data import cache
+
+    building = folder.parent / f".tmp-{folder.name}-x1y2"
+    building.mkdir()
     cleared = CliRunner().invoke(cache_app, ["clear"])
-    assert "removed 1 dequantised GGUF bases" in cleared.output and not folder.exists() and gguf.entries() == []
+    assert "removed 0 dequantised GGUF bases (0 B)" in cleared.output and folder.is_dir(), cleared.output
+    assert (f"skipped 2 dequantised GGUF bases in use by pid {os.getpid()}: {building.name}, {folder.name}"
+            in cleared.output) and building.is_dir()
+    cache._HELD.pop(folder.parent / f".{folder.name}.lock").close()  # control: as if this process had ended
+    cleared = CliRunner().invoke(cache_app, ["clear"])
+    assert "removed 2 dequantised GGUF bases" in cleared.output and "skipped" not in cleared.output
+    assert not folder.exists() and not building.exists() and gguf.entries() == []
 
 
 def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_path: Path, soup_home: Path,

@@ -77,7 +77,22 @@ def _flock(path: Path, mode: str, *, wait: bool = True) -> Any:
     return handle
 
 
-def _relock(handle: Any, mode: str) -> None:
+def hold(lock: Path) -> Any:
+    """A shared lock on ``lock`` (``.NAME.lock`` beside an entry ``NAME``; the GGUF cache uses these locks too):
+    the handle, for :func:`relock`, and to :func:`retain` once the entry is there (close it if it never is)."""
+    if lock in _HELD:  # this process's own shared lock would keep its exclusive one waiting forever
+        _HELD.pop(lock).close()
+    return _flock(lock, "LOCK_SH")  # waits while another process fills or clears it
+
+
+def retain(lock: Path, handle: Any) -> None:
+    """Hold the entry (shared) until the process exits: :func:`remove_folder` skips it meanwhile."""
+    relock(handle, "LOCK_SH")
+    if handle is not None:
+        _HELD[lock] = handle
+
+
+def relock(handle: Any, mode: str) -> None:
     if handle is not None:  # flock turns a lock into the other kind by dropping it first: never a deadlock
         import fcntl
 
@@ -104,11 +119,9 @@ def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[s
     now, handle = False, None
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if lock in _HELD:  # this process's own shared lock would keep its exclusive one waiting forever
-            _HELD.pop(lock).close()
-        handle = _flock(lock, "LOCK_SH")  # waits while another process fills or clears it
+        handle = hold(lock)
         if not (final / DONE).is_file():
-            _relock(handle, "LOCK_EX")
+            relock(handle, "LOCK_EX")
             now = not (final / DONE).is_file()  # else another process filled it while this one waited
         if now:
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
@@ -124,9 +137,7 @@ def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[s
                     shutil.rmtree(tmp, ignore_errors=True)
         else:
             _touch(final)
-        _relock(handle, "LOCK_SH")
-        if handle is not None:
-            _HELD[lock] = handle
+        retain(lock, handle)
     except BaseException as exc:
         if handle is not None and _HELD.get(lock) is not handle:
             handle.close()
@@ -189,7 +200,7 @@ def _users(lock: Path) -> list[int]:
     return sorted({int(f[4]) for f in fields if len(f) > 5 and f[5].rsplit(":", 1)[-1] == str(inode)})
 
 
-def _remove(folder: Path, skipped: dict[str, list[int]]) -> int | None:
+def remove_folder(folder: Path, skipped: dict[str, list[int]]) -> int | None:
     """Remove one folder of the cache unless a live process writes or holds it (then noted in ``skipped``, by
     pid); returns the bytes freed, None when it was skipped."""
     name = folder.name.removeprefix(".tmp-").rsplit("-", 1)[0] if folder.name.startswith(".tmp-") else folder.name
@@ -217,7 +228,7 @@ def prune(*, keep: Path | None = None, limit: int | None = None) -> list[str]:
     for entry in reversed(listed):
         if total <= limit:
             break
-        if (keep is not None and entry["path"] == keep) or _remove(entry["path"], {}) is None:
+        if (keep is not None and entry["path"] == keep) or remove_folder(entry["path"], {}) is None:
             continue
         total -= entry["bytes"]
         removed.append(entry["name"])
@@ -231,6 +242,6 @@ def clear() -> tuple[int, int, dict[str, list[int]]]:
     removed, freed, skipped = 0, 0, {}
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if folder.is_dir():
-            size = _remove(folder, skipped)
+            size = remove_folder(folder, skipped)
             removed, freed = removed + (size is not None), freed + (size or 0)
     return removed, freed, skipped

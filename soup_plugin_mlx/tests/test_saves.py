@@ -216,3 +216,41 @@ def test_saving_says_so_when_slow(tmp_path: Path, tiny_model: Path, write_data, 
     order = ["step 2/2", "saving checkpoint-2 ...", "saving checkpoint-2: done in", final + " ...",
              final + ": done in"]
     assert [out.index(line) for line in order] == sorted(out.index(line) for line in order), out
+
+
+def test_each_save_is_in_the_manifest_before_it_exists_and_a_gguf_base_is_recorded(
+    tmp_path: Path, tiny_gguf: Path, write_data, monkeypatch, capsys
+) -> None:
+    """A run killed mid-save still owns what it left: every checkpoint and final file is in the output's
+    manifest before it is renamed into place. The run's summary and model card name a GGUF base's file."""
+    import json
+
+    from soup_core import Tracker
+    from soup_core.default_plugins.transformers import gguf_file, source_record
+
+    monkeypatch.chdir(tmp_path)
+    write_data(8)
+    (tmp_path / "soup.yaml").write_text(
+        f"base: {tiny_gguf}\nbackend: mlx\noutput: ./output\ndata:\n  train: data.jsonl\n  max_length: 64\n"
+        "training:\n  max_steps: 2\n  save_steps: 1\n  batch_size: 4\n",
+        encoding="utf-8",
+    )
+    out, real_replace, seen = tmp_path / "output", os.replace, {}
+
+    def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+        if ".soup-tmp-" in str(src) and Path(dst).parent == out:  # a save's rename into the output folder
+            manifest = json.loads((out / ".soup_run.json").read_text())
+            seen[Path(dst).name] = Path(dst).name in manifest["artefacts"] and manifest["status"] == "running"
+        real_replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", replace)
+        assert _soup(["train"]) == 0, capsys.readouterr().err
+    assert {"checkpoint-1", "checkpoint-2", "adapters.safetensors", "tokenizer.json"} <= set(seen), seen
+    assert all(seen.values()), seen  # before the backend recorded them, every one read False here
+    assert json.loads((out / ".soup_run.json").read_text())["status"] == "completed"
+    record = source_record(str(tiny_gguf))
+    assert record is not None and gguf_file(str(out)) is None  # control: an ordinary folder has no record
+    summary = Tracker().list_runs(1)[0].summary
+    assert (summary["base_gguf_path"], summary["base_gguf_sha256"]) == (record["path"], record["sha256"])
+    assert f"GGUF file `{record['path']}` (SHA-256 `{record['sha256']}`)" in (out / "README.md").read_text()

@@ -51,16 +51,21 @@ def list_cache() -> None:
 @cache_app.command("clear")
 def clear_cache() -> None:
     """Remove every cached entry and dequantised GGUF base; the next run prepares its data (and dequantises
-    its GGUF base) again. A data entry a running process is writing or reading is skipped, and named with its
-    pids. Exit code 0."""
+    its GGUF base) again. An entry or GGUF base a running process is writing or reading is skipped, and named
+    with its pids. Exit code 0."""
     from soup_core.data.cache import cache_root, clear
     from soup_core.default_plugins.transformers import gguf
 
     n, freed, skipped = clear()
     typer.echo(f"removed {n} entries ({_size(freed)}) from {cache_root()}")
+    _skipped(skipped, "entries")
+    n, freed, skipped = gguf.clear()
+    typer.echo(f"removed {n} dequantised GGUF bases ({_size(freed)}) from {gguf.cache_root()}")
+    _skipped(skipped, "dequantised GGUF bases")
+
+
+def _skipped(skipped: dict[str, list[int]], what: str) -> None:
     if skipped:
         pids = sorted({pid for users in skipped.values() for pid in users})
         by = f" by pid {', '.join(map(str, pids))}" if pids else ""
-        typer.echo(f"skipped {len(skipped)} entries in use{by}: {', '.join(sorted(skipped))}")
-    n, freed = gguf.clear()
-    typer.echo(f"removed {n} dequantised GGUF bases ({_size(freed)}) from {gguf.cache_root()}")
+        typer.echo(f"skipped {len(skipped)} {what} in use{by}: {', '.join(sorted(skipped))}")

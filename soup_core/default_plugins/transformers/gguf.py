@@ -301,14 +301,28 @@ def resolve_base(base: str | os.PathLike[str], dtype: Any = "float32", *,
     found = gguf_file(base)
     if found is None:
         return str(base)
+    from soup_core.data import cache as locks  # the data cache's entry locks, which soup cache clear respects
+
     name = _dtype_name(dtype)
     target = cache_root() / _entry_name(file_sha256(found), name)
-    if (target / RECORD).is_file():
-        return str(target)
-    inspected = inspect_base(str(found))
-    if inspected is not None and inspected[1]:
-        raise GGUFError(inspected[1])
-    return str(_dequantise(found, name, target, report or (lambda _: None)))
+    lock, handle = target.parent / f".{target.name}.lock", None
+    with contextlib.suppress(OSError):  # a read-only cache still serves its folders; only clear's skip is lost
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle = locks.hold(lock)
+    try:
+        if not (target / RECORD).is_file():
+            inspected = inspect_base(str(found))
+            if inspected is not None and inspected[1]:
+                raise GGUFError(inspected[1])
+            locks.relock(handle, "LOCK_EX")  # one process dequantises; another waits, then loads its folder
+            if not (target / RECORD).is_file():
+                _dequantise(found, name, target, report or (lambda _: None))
+        locks.retain(lock, handle)  # shared until this process exits: soup cache clear skips the folder
+    except BaseException:
+        if handle is not None:
+            handle.close()
+        raise
+    return str(target)
 
 
 def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], Any]) -> Path:
@@ -326,9 +340,14 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
     report(f"dequantising {path.name} to {dtype} (once; kept in {target.parent}) ...")
     torch_dtype = getattr(torch, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    bars = hf_logging.is_progress_bar_enabled()
+    # named as the data cache names a folder being filled, so soup cache clear finds its lock
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    from transformers import modeling_gguf_pytorch_utils as gguf_loader
+
+    bars, bar = hf_logging.is_progress_bar_enabled(), getattr(gguf_loader, "tqdm", None)
     hf_logging.disable_progress_bar()  # transformers' per-file bars; the message above says what is going on
+    if bar is not None:  # its own tqdm, which that switch does not reach: off here only, put back below
+        gguf_loader.tqdm = functools.partial(bar, disable=True)
     try:
         try:
             loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -358,6 +377,8 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
             if not (target / RECORD).is_file():
                 raise
     finally:
+        if bar is not None:
+            gguf_loader.tqdm = bar
         if bars:
             hf_logging.enable_progress_bar()
         if tmp.exists():
@@ -379,16 +400,17 @@ def entries() -> list[dict[str, Any]]:
     return found
 
 
-def clear() -> tuple[int, int]:
-    """Remove every dequantised folder (and the hash and header indexes); (folders removed, bytes freed)."""
+def clear() -> tuple[int, int, dict[str, list[int]]]:
+    """Remove every dequantised folder no live process uses or builds (and the hash and header indexes);
+    (folders removed, bytes freed, {folder skipped: the pids using it})."""
+    from soup_core.data.cache import remove_folder
+
     root = cache_root()
-    n = freed = 0
-    for folder in list(root.iterdir()) if root.is_dir() else []:
-        if folder.is_dir():
-            freed += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-            shutil.rmtree(folder, ignore_errors=True)
-            n += 1
+    n, freed, skipped = 0, 0, {}
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.is_dir() and (size := remove_folder(folder, skipped)) is not None:
+            n, freed = n + 1, freed + size
     for index in ("sha256.json", "headers.json"):
         with contextlib.suppress(OSError):
             (root / index).unlink()
-    return n, freed
+    return n, freed, skipped

@@ -71,12 +71,10 @@ def _gguf_folder(base: str, expanded: str, config: Any) -> str:
     if found is None:
         return expanded
     dtype = dtype_name(resolve_dtype(str(config.training.dtype)))
-    kept = kept_folder(found, dtype)
-    if kept is not None:
-        return str(kept)
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
+    # a kept folder needs no torch; resolve_base returns it, holding it so soup cache clear skips it
+    if kept_folder(found, dtype) is None and importlib.util.find_spec("torch") is None:
         raise MLXBackendError(
             f"base: {base!r} is a GGUF file; the mlx backend loads the model folder transformers "
             "dequantises it into, and that needs torch, which is not installed: pip install torch (once: "

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from soup_core import MicroBatch, OptimizerStep, ProgressLine, Rollback, SetCoefficient, Stop
 from soup_core import micro_batches as core_micro_batches
 from soup_core.default_plugins.sft import encode_rows
-from soup_core.io import write_failure
+from soup_core.io import record_output, write_failure
 from soup_plugin_mlx import adapters
 from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 from soup_plugin_mlx.model import make_trainable
@@ -236,7 +236,11 @@ class MLXRun:
             outcome.status = "stopped" if self.stop_reason else "completed"
             self._save_output()
         status = outcome.status
+        from soup_core.default_plugins.transformers import source_record
+
+        gguf = source_record(str(self.config.base))  # a GGUF base: the run record and card name the file
         return {
+            **({"base_gguf_path": gguf["path"], "base_gguf_sha256": gguf["sha256"]} if gguf else {}),
             "status": status,
             "stop_reason": self.stop_reason,
             "stop_failed": self.stop_failed,
@@ -452,6 +456,7 @@ class MLXRun:
         folder = self.output_dir / f"checkpoint-{self.global_step}"
         # whole or not at all: built in a temp folder, the trainer state (what marks it complete) last
         try:
+            record_output(self.output_dir, folder.name)  # the run's manifest owns it before it exists
             with self.ctx.said_if_slow(f"saving {folder.name}"), adapters.building(folder) as tmp:
                 adapters.write_adapter(tmp, self.model, self._adapter_config())
                 adapters.save_safetensors(tmp / adapters.OPTIMIZER_STATE, self.optimizer.state_arrays())
@@ -484,6 +489,7 @@ class MLXRun:
                 else:
                     adapters.write_full_model(tmp, self.model, self.model_config)
                 adapters.save_tokenizer(tmp, self.tokenizer)
+                record_output(self.output_dir, *(entry.name for entry in tmp.iterdir()))  # before the renames
         except Exception as exc:
             raise MLXBackendError(
                 f"could not save the trained model to {self.output_dir}: {write_failure(exc)}; "
