@@ -83,7 +83,7 @@ training:
     alpha: {alpha}
   seed: 0
 """
-RECIPE: dict[str, Any] = {"epochs": 3, "learning_rate": 3.0e-4, "scheduler": "linear", "r": 8, "alpha": 16}
+RECIPE: dict[str, Any] = {"epochs": 3, "learning_rate": 5.0e-4, "scheduler": "linear", "r": 8, "alpha": 16}
 
 
 def gguf_path() -> Path | None:
@@ -155,7 +155,7 @@ def evaluate(directory: Path, output: Path, base: str) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from soup_core.default_plugins.commands import facts
-    from soup_core.default_plugins.transformers.gguf import resolve_base
+    from soup_core.default_plugins.transformers import resolve_base  # a GGUF base: its dequantised folder
     from soup_core.io import atomic_write
 
     hf_logging.disable_progress_bar()
