@@ -26,7 +26,7 @@ GGUF = quickstart_real.gguf_path()
 def test_real_model_quickstart(tmp_path: Path) -> None:
     env = {"SOUP_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2"}
     qs = tmp_path / "qs"
-    proc = run_soup(["quickstart", "--dir", str(qs)], env=env, cwd=tmp_path, timeout=1200)
+    proc = run_soup(["quickstart", "--dir", str(qs)], env=env, cwd=tmp_path, timeout=2400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = qs / "output"
     result = json.loads((qs / "facts.json").read_text(encoding="utf-8"))
