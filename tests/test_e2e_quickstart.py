@@ -1,4 +1,4 @@
-"""End to end through the CLI, as a user runs it: `soup quickstart` trains, the tracker records the run,
+"""End to end through the CLI, as a user runs it: `soup quickstart --tiny` trains, the tracker records the run,
 and — with the rewind plugin installed — `soup rewind` names the poisoned row behind the worst spike."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_trains_and_rewind_names_the_poisoned_row(tmp_path: Path) -> None:
     env = {"SOUP_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    proc = run_soup(["quickstart", "--dir", str(tmp_path / "qs")], env=env, cwd=tmp_path, timeout=600)
+    proc = run_soup(["quickstart", "--tiny", "--dir", str(tmp_path / "qs")], env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "qs" / "output"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
@@ -42,7 +42,7 @@ def test_quickstart_trains_and_rewind_names_the_poisoned_row(tmp_path: Path) -> 
     assert retrain[:2] == ["soup", "train"] and "--overwrite" in retrain
     again = run_soup([*retrain[1:], "--max-steps", "2"], env=env, cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
-    second = run_soup(["quickstart", "--dir", str(tmp_path / "qs")], env=env, cwd=tmp_path, timeout=600)
+    second = run_soup(["quickstart", "--tiny", "--dir", str(tmp_path / "qs")], env=env, cwd=tmp_path, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     statuses = [r["status"] for r in json.loads(run_soup(["runs", "--json"], env=env, cwd=tmp_path).stdout)]
     assert statuses == ["completed"] * 3

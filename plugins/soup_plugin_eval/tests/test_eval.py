@@ -103,7 +103,8 @@ def test_val_scores_the_runs_validation_split(in_home: Runs, tmp_path: Path, tin
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [
-    ([], 2, "give one of --data FILE, --val or --tasks"),
+    ([], 2, "give one of --data FILE, --val, --facts FILE or --tasks"),
+    (["--facts", "x.jsonl", "--val"], 2, "give one of"),
     (["--val", "--data", "x.jsonl"], 2, "give one of"),
     (["--val"], 1, "held out no validation rows"),
     (["--data", "missing.jsonl"], 1, "no such file"),
@@ -152,3 +153,32 @@ def test_data_is_read_in_the_format_of_the_runs_own_entry_for_it(tmp_path: Path)
     assert data_format(mixed, a) == "chat"
     assert data_format(mixed, c) == "auto"  # another file, and the run's files had two formats
     assert data_format(config(str(a)), c) == "chat"  # control: one format for the whole run is kept
+
+
+def test_facts_counts_the_greedy_answers_that_state_their_fact(in_home: Runs, tmp_path: Path) -> None:
+    """--facts answers each prompt greedily with the run's chat template, as the quickstart does
+    (facts.greedy_answers on the same model gives the same answers), and a question counts when its fact is in
+    the answer, case-insensitive: a fact cut from the answer (upper-cased) counts, one not in it does not."""
+    from soup_core.default_plugins.commands import facts as key_facts
+    from soup_plugin_eval.model import load
+    from soup_plugin_eval.target import resolve
+
+    questions = tmp_path / "q.jsonl"
+    prompts = ["what is 3 plus 3?", "what is 21 plus 21?"]
+    questions.write_text("".join(json.dumps({"prompt": p, "fact": "zz-not-said"}) + "\n" for p in prompts))
+    first = scored(in_home.lora.output_dir, tmp_path, "--facts", str(questions))["targets"][0]
+    answers = [r["answer"] for r in first["results"]]
+    assert first["questions"] == 2 and first["stated"] == 0 and all(answers), answers
+    from soup_core import load_plugins
+
+    loaded = load(resolve(str(in_home.lora.output_dir), plugins=load_plugins()))
+    assert key_facts.greedy_answers(loaded.model, loaded.tokenizer, prompts) == answers
+    said = answers[0].split()[0].upper()  # a word of the first answer, in other case
+    questions.write_text(json.dumps({"prompt": prompts[0], "fact": said}) + "\n"
+                         + json.dumps({"prompt": prompts[1], "fact": "zz-not-said"}) + "\n")
+    second = scored(in_home.lora.output_dir, tmp_path, "--facts", str(questions))["targets"][0]
+    assert [r["hit"] for r in second["results"]] == [True, False] and second["stated"] == 1
+    assert [r["answer"] for r in second["results"]] == answers  # the same greedy answers
+    questions.write_text('{"prompt": "q"}\n')
+    bad = invoke(eval_, [str(in_home.lora.output_dir), "--facts", str(questions)])
+    assert bad.exit_code == 1 and f"{questions}:1:" in bad.output and "Traceback" not in bad.output

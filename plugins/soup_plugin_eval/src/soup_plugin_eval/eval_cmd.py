@@ -15,11 +15,13 @@ import typer
 
 from soup_plugin_eval.cli import EXIT_CODES, TARGET_HELP, Fail, Progress, load_target, run_command, status
 
-EVAL_HELP = f"""Loss and perplexity on held-out rows, with exactly the training encoding; or benchmarks (--tasks).
+EVAL_HELP = f"""Loss and perplexity on held-out rows, with exactly the training encoding; key facts in greedy answers \
+(--facts); or benchmarks (--tasks).
 
 \b
   soup eval latest --data held_out.jsonl
   soup eval latest --val                            the run's own validation split
+  soup eval latest --facts questions.jsonl --json answers.json     share of answers that state their fact
   soup eval out/checkpoint-20 out/checkpoint-40 out --data held_out.jsonl --json scores.json
   soup eval latest --tasks my_task --include-path tasks/    benchmarks: lm-evaluation-harness
 
@@ -28,7 +30,12 @@ data.max_length, train_on_responses_only), so each row's loss is the mean cross-
 supervised tokens training used (for sft, what soup rewind shows for a training row). The loss of the data is \
 the mean over all its supervised tokens; perplexity is exp of it. --json writes every row's loss (index: the \
 row's position in --data, or in the validation split; file and line: where it came from), to sort the worst \
-rows. Each result is stored with its run and shown by `soup runs show RUN` (summary.eval ...).
+rows.
+
+--facts FILE: JSON Lines of {{"prompt": ..., "fact": ...}}. Each prompt is one user turn rendered by the run's \
+chat template and answered greedily (48 new tokens, batches of 16, as soup quickstart scores its run); a \
+question counts when its fact appears in the answer, case-insensitive. --json writes every answer and \
+whether it held the fact. Each result is stored with its run and shown by `soup runs show RUN` (summary.eval ...).
 
 {EXIT_CODES}
 """
@@ -64,6 +71,8 @@ def eval_(
     data: Path | None = typer.Option(None, "--data", metavar="FILE", help="Held-out rows in a format the run's "
                                      "task trains on."),
     val: bool = typer.Option(False, "--val", help="Score the run's own validation split (data.val_split)."),
+    facts: Path | None = typer.Option(None, "--facts", metavar="FILE", help='Questions with key facts (JSON Lines '
+                                      'of {"prompt": ..., "fact": ...}): the share of greedy answers stating them.'),
     json_path: Path | None = typer.Option(None, "--json", metavar="PATH", help="Write the scores and every row's "
                                           "loss as JSON."),
     tasks: str | None = typer.Option(None, "--tasks", metavar="NAME[,NAME]", help="lm-evaluation-harness tasks "
@@ -72,13 +81,14 @@ def eval_(
                                              "lm-evaluation-harness task YAML files (local tasks)."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: at most this many documents "
                                      "per task."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Rows scored together."),
+    batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Rows scored together (default 8; "
+                                          "with --facts 16, as soup quickstart answers)."),
 ) -> None:
     """Score trained models on held-out rows (see EVAL_HELP)."""
 
     def body() -> None:
-        if sum([data is not None, val, tasks is not None]) != 1:
-            raise Fail("give one of --data FILE, --val or --tasks NAME[,NAME]", 2)
+        if sum([data is not None, val, tasks is not None, facts is not None]) != 1:
+            raise Fail("give one of --data FILE, --val, --facts FILE or --tasks NAME[,NAME]", 2)
         if (include_path is not None or limit is not None) and tasks is None:
             raise Fail("--include-path and --limit go with --tasks", 2)
         if data is not None and not data.is_file():
@@ -87,10 +97,15 @@ def eval_(
             from soup_plugin_eval.harness import run_tasks
 
             results = run_tasks(targets, [t.strip() for t in tasks.split(",") if t.strip()],
-                                include_path=include_path, limit=limit, batch_size=batch_size)
+                                include_path=include_path, limit=limit, batch_size=batch_size or 8)
             _report_tasks(results, json_path)
             return
-        _score_rows(targets, data, json_path, batch_size)
+        if facts is not None:
+            from soup_core.default_plugins.commands.facts import BATCH_SIZE
+
+            _answer_facts(targets, facts, json_path, batch_size or BATCH_SIZE)
+            return
+        _score_rows(targets, data, json_path, batch_size or 8)
 
     run_command(body)
 
@@ -138,6 +153,53 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
         } for spec, scores, what, origin in results]}
         try:
             atomic_write(json_path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
+        except OSError as exc:
+            raise Fail(f"--json {json_path}: {exc}") from None
+        status(f"wrote {json_path}")
+
+
+def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_size: int) -> None:
+    """Greedy answers of each target to the questions of ``path``; the share that states each key fact."""
+    from rich.table import Table
+
+    from soup_core import atomic_write, console
+    from soup_core.default_plugins.commands import facts as key_facts
+
+    try:
+        questions = key_facts.read_facts(path)
+    except key_facts.FactsError as exc:
+        raise Fail(f"--facts {exc}") from None
+    results: list[tuple[Any, list[dict[str, Any]]]] = []
+    for spec_text in targets:
+        spec, loaded = load_target(spec_text)
+        if loaded.engine != "transformers":
+            raise Fail(f"--facts answers with transformers; {spec.label} is an mlx run (soup export it --to peft)")
+        if not getattr(loaded.tokenizer, "chat_template", None):
+            raise Fail(f"--facts renders each prompt with the run's chat template; {spec.label}'s tokenizer has none")
+        answers = key_facts.greedy_answers(loaded.model, loaded.tokenizer, [q.prompt for q in questions],
+                                           batch_size=batch_size)
+        results.append((spec, key_facts.score(questions, answers)))
+        del loaded  # one model in memory at a time
+    table = Table(title=f"soup eval --facts {path.name}")
+    for column in ("target", "questions", "stated", "share"):
+        table.add_column(column, justify="left" if column == "target" else "right")
+    notes = []
+    for spec, scored in results:
+        hits, total = key_facts.share(scored)
+        table.add_row(spec.label, str(total), str(hits), f"{hits / total:.0%}")
+        note = _store(spec, f"eval facts {path.name} @ {spec.weights.name}", f"{hits}/{total} stated their fact")
+        if note and note not in notes:
+            notes.append(note)
+    console.print(table)
+    for note in notes:
+        status(note)
+    if json_path is not None:
+        payload = {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "facts": str(path),
+                                "questions": len(scored), "stated": key_facts.share(scored)[0],
+                                "results": [{"index": i, **r} for i, r in enumerate(scored)]}
+                               for spec, scored in results]}
+        try:
+            atomic_write(json_path, json.dumps(payload, indent=1) + "\n")
         except OSError as exc:
             raise Fail(f"--json {json_path}: {exc}") from None
         status(f"wrote {json_path}")
