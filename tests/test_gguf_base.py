@@ -211,3 +211,20 @@ def test_real_model_gguf_base(tmp_path: Path, soup_home: Path, capsys) -> None:
     assert run_train_command(config, overrides={}, dry_run=True) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "513.1 MiB of weights in memory" in out and "already dequantised" in out and "token lengths" in out, out
+
+
+def test_help_texts_name_gguf_bases() -> None:
+    from typer.testing import CliRunner
+
+    from soup_core.cli.main import build_app
+    from soup_core.default_plugins.commands.init_cmd import CONFIG
+
+    app, runner = build_app(), CliRunner()
+
+    def text(*args: str) -> str:  # the words, without rich's box and line breaks
+        return " ".join(runner.invoke(app, [*args, "--help"]).output.replace("\u2502", " ").split())
+
+    assert "Inspect installed plugins." in text(), text()  # the control: the listing is read
+    assert "dequantised GGUF bases" in text() and "dequantised GGUF bases" in text("cache"), text()
+    assert ".gguf file" in text("train") and ".gguf file" in text("init")
+    assert ".gguf file" in CONFIG.splitlines()[1]  # soup init's comment on base:

@@ -176,7 +176,7 @@ def train(
     output: str | None = typer.Option(None, "--output", "-o", help="Override output."),
     experiment_name: str | None = typer.Option(None, "--name", help="Override experiment_name."),
     backend: str | None = typer.Option(None, "--backend", help="Override backend."),
-    base: str | None = typer.Option(None, "--base", help="Override base (model folder or hub id)."),
+    base: str | None = typer.Option(None, "--base", help="Override base (model folder, .gguf file or hub id)."),
     data: str | None = typer.Option(None, "--data", help="Override data.train."),
     seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
     resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder, an output "
