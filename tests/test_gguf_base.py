@@ -132,6 +132,22 @@ def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_pa
     assert "GGUF file" in capsys.readouterr().err
 
 
+def test_a_relative_gguf_base_on_the_command_line_is_recorded_absolute(
+        tiny_gguf: Path, tmp_path: Path, soup_home: Path, capsys, monkeypatch) -> None:
+    """``--base models/x.gguf`` resolves against the working directory and the run records it absolute, so
+    ``soup generate``/``merge`` from another folder find the file (the control: a folder, resolved already)."""
+    import shutil
+
+    (tmp_path / "models").mkdir()
+    shutil.copy(tiny_gguf, tmp_path / "models" / "x.gguf")
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, "unused")
+    assert run_train_command(config, overrides={"base": "models"}, dry_run=True) == 0
+    assert f"base {tmp_path / 'models'}\n" in capsys.readouterr().out
+    assert run_train_command(config, overrides={"base": "models/x.gguf"}, dry_run=True) == 0
+    assert f"base {tmp_path / 'models' / 'x.gguf'}\n" in capsys.readouterr().out
+
+
 def _invoke(command, args: list[str]):
     import typer
     from typer.testing import CliRunner

@@ -98,7 +98,8 @@ def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
     base = out.get("base")
     # a base is a path only where it names one: a hub id (org/name) reads like a relative path too
     if isinstance(base, str) and not Path(os.path.expanduser(base)).is_absolute():
-        if base.startswith(("./", "../")) or Path(base).is_dir():
+        if base.startswith(("./", "../")) or Path(base).is_dir() or (
+                base.lower().endswith(".gguf") and Path(base).is_file()):  # else the run records it relative
             out["base"] = str((Path.cwd() / base).resolve())
     return out
 
