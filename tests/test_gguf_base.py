@@ -148,6 +148,14 @@ def test_a_relative_gguf_base_on_the_command_line_is_recorded_absolute(
     assert f"base {tmp_path / 'models' / 'x.gguf'}\n" in capsys.readouterr().out
 
 
+def test_a_gguf_base_that_moved_is_named_not_taken_for_a_hub_id(tmp_path: Path, soup_home: Path) -> None:
+    import pytest
+
+    assert gguf.resolve_base("org/name") == "org/name"  # the control: a hub id passes through
+    with pytest.raises(gguf.GGUFError, match="'.*gone.gguf' does not exist"):
+        gguf.resolve_base(str(tmp_path / "gone.gguf"))  # soup generate/chat/eval load a run's base through it
+
+
 def _invoke(command, args: list[str]):
     import typer
     from typer.testing import CliRunner
