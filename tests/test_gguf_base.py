@@ -132,6 +132,30 @@ def test_a_gguf_file_beside_the_config_and_a_missing_one(tiny_gguf: Path, tmp_pa
     assert "GGUF file" in capsys.readouterr().err
 
 
+def test_a_relative_gguf_base_on_the_command_line_is_recorded_absolute(
+        tiny_gguf: Path, tmp_path: Path, soup_home: Path, capsys, monkeypatch) -> None:
+    """``--base models/x.gguf`` resolves against the working directory and the run records it absolute, so
+    ``soup generate``/``merge`` from another folder find the file (the control: a folder, resolved already)."""
+    import shutil
+
+    (tmp_path / "models").mkdir()
+    shutil.copy(tiny_gguf, tmp_path / "models" / "x.gguf")
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, "unused")
+    assert run_train_command(config, overrides={"base": "models"}, dry_run=True) == 0
+    assert f"base {tmp_path / 'models'}\n" in capsys.readouterr().out
+    assert run_train_command(config, overrides={"base": "models/x.gguf"}, dry_run=True) == 0
+    assert f"base {tmp_path / 'models' / 'x.gguf'}\n" in capsys.readouterr().out
+
+
+def test_a_gguf_base_that_moved_is_named_not_taken_for_a_hub_id(tmp_path: Path, soup_home: Path) -> None:
+    import pytest
+
+    assert gguf.resolve_base("org/name") == "org/name"  # the control: a hub id passes through
+    with pytest.raises(gguf.GGUFError, match="'.*gone.gguf' does not exist"):
+        gguf.resolve_base(str(tmp_path / "gone.gguf"))  # soup generate/chat/eval load a run's base through it
+
+
 def _invoke(command, args: list[str]):
     import typer
     from typer.testing import CliRunner
@@ -211,3 +235,20 @@ def test_real_model_gguf_base(tmp_path: Path, soup_home: Path, capsys) -> None:
     assert run_train_command(config, overrides={}, dry_run=True) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "513.1 MiB of weights in memory" in out and "already dequantised" in out and "token lengths" in out, out
+
+
+def test_help_texts_name_gguf_bases() -> None:
+    from typer.testing import CliRunner
+
+    from soup_core.cli.main import build_app
+    from soup_core.default_plugins.commands.init_cmd import CONFIG
+
+    app, runner = build_app(), CliRunner()
+
+    def text(*args: str) -> str:  # the words, without rich's box and line breaks
+        return " ".join(runner.invoke(app, [*args, "--help"]).output.replace("\u2502", " ").split())
+
+    assert "Inspect installed plugins." in text(), text()  # the control: the listing is read
+    assert "dequantised GGUF bases" in text() and "dequantised GGUF bases" in text("cache"), text()
+    assert ".gguf file" in text("train") and ".gguf file" in text("init")
+    assert ".gguf file" in CONFIG.splitlines()[1]  # soup init's comment on base:

@@ -159,6 +159,31 @@ def test_a_run_killed_mid_way_still_owns_its_leftovers(tiny_model: Path, tmp_pat
     assert older.returncode == 1 and "Soup did not write" in older.stderr and "delete them by hand" in older.stderr
 
 
+def test_a_plugins_log_is_the_runs_before_the_first_checkpoint(tmp_path: Path) -> None:
+    """A kill before any checkpoint writes no final manifest: the flight recorder's logs must already be
+    listed (through soup_core.io.record_output), else the folder is refused even with --overwrite."""
+    from soup_core import outputs
+    from soup_core.events import MicroBatch, OptimizerStep, RunStart
+    from soup_core.io import record_output
+    from soup_plugin_rewind.recorder import RewindRecorder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with outputs.claimed(out, "run_a", overwrite=False, resuming=False, note=lambda _: None):
+        rec = RewindRecorder(report=lambda _: None)
+        rec.on_run_start(RunStart("run_a", str(out), {"training": {"rewind_log": True}}, "cd" * 32, 4,
+                                  world_size=2, backend="transformers", task="sft"))
+        rec.on_micro_batch(MicroBatch(1, 0, (0,), (1.0,), (10,)))
+        rec.on_optimizer_step(OptimizerStep(1, {"loss": 1.0}, 0))
+        assert (out / "rewind.jsonl").is_file()
+        owned, foreign = outputs._sorted_out(out)  # what a kill here would leave the next --overwrite
+        assert "rewind.jsonl" in owned and foreign == [], (owned, foreign)
+        assert "rewind.rank1.jsonl" in outputs.read_manifest(out)["artefacts"]  # rank 1's, before it exists
+    record_output(out, "later.txt")  # control: outside a run nothing is listed, so the file is not Soup's
+    (out / "later.txt").write_text("mine")
+    assert outputs._sorted_out(out)[1] == ["later.txt"]
+
+
 # ------------------------------------------------------------------------------ 2. the data cache
 
 

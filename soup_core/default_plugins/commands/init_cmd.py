@@ -26,7 +26,7 @@ TEMPLATES: dict[str, dict[str, str]] = {
 
 CONFIG = """\
 # Soup config — every key is documented in docs/config.md. Validate with: soup train --dry-run
-# the model to fine-tune: a local model folder or a hub id
+# the model to fine-tune: a local model folder, a .gguf file or a hub id
 base: {base}
 task: sft
 backend: transformers
@@ -78,7 +78,8 @@ def sample_rows(template: str) -> list[dict]:
 def init(
     template: str = typer.Option("chat", "--template", "-t", help="chat, alpaca or plain."),
     output: Path = typer.Option(Path("soup.yaml"), "--output", "-o", help="Where to write the config."),
-    base: str = typer.Option(DEFAULT_BASE, "--base", help="The model to fine-tune (local folder or hub id)."),
+    base: str = typer.Option(DEFAULT_BASE, "--base",
+                             help="The model to fine-tune (local folder, .gguf file or hub id)."),
     no_data: bool = typer.Option(False, "--no-data", help="Do not write a sample data file."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing config."),
 ) -> None:

@@ -25,5 +25,5 @@ def soup_register_commands() -> list[Command]:
         Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
         Command(name="doctor", target=doctor, help=DOCTOR_HELP),
-        Command(name="cache", target=cache_app, help="See and clear the prepared data Soup caches."),
+        Command(name="cache", target=cache_app, help=cache_app.info.help),  # one text: `soup cache --help` shows it
     ]

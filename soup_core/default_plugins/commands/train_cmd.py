@@ -98,7 +98,8 @@ def _from_cwd(overrides: dict[str, Any]) -> dict[str, Any]:
     base = out.get("base")
     # a base is a path only where it names one: a hub id (org/name) reads like a relative path too
     if isinstance(base, str) and not Path(os.path.expanduser(base)).is_absolute():
-        if base.startswith(("./", "../")) or Path(base).is_dir():
+        if base.startswith(("./", "../")) or Path(base).is_dir() or (
+                base.lower().endswith(".gguf") and Path(base).is_file()):  # else the run records it relative
             out["base"] = str((Path.cwd() / base).resolve())
     return out
 
@@ -176,7 +177,7 @@ def train(
     output: str | None = typer.Option(None, "--output", "-o", help="Override output."),
     experiment_name: str | None = typer.Option(None, "--name", help="Override experiment_name."),
     backend: str | None = typer.Option(None, "--backend", help="Override backend."),
-    base: str | None = typer.Option(None, "--base", help="Override base (model folder or hub id)."),
+    base: str | None = typer.Option(None, "--base", help="Override base (model folder, .gguf file or hub id)."),
     data: str | None = typer.Option(None, "--data", help="Override data.train."),
     seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
     resume: str | None = typer.Option(None, "--resume", help="Resume from a checkpoint folder, an output "

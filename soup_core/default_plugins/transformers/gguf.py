@@ -299,6 +299,9 @@ def resolve_base(base: str | os.PathLike[str], dtype: Any = "float32", *,
     folder in ``dtype`` (a torch dtype or its name), built on first use. GGUFError for a file that cannot be
     loaded, with the reason."""
     found = gguf_file(base)
+    if found is None and str(base).lower().endswith(SUFFIX) and not Path(os.path.expanduser(str(base))).exists():
+        # a run's GGUF base that moved: else transformers reads the path as a hub id and says so
+        raise GGUFError(f"GGUF file {str(base)!r} does not exist (moved or deleted?); give the path of a .gguf file")
     if found is None:
         return str(base)
     from soup_core.data import cache as locks  # the data cache's entry locks, which soup cache clear respects

@@ -18,6 +18,7 @@ from typing import Any
 
 from soup_core import Recorder
 from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
+from soup_core.io import record_output
 from soup_plugin_rewind.logfile import FORMAT_VERSION, LOG_FILE_PATTERN, loads_line, log_name
 
 try:
@@ -240,6 +241,8 @@ class RewindRecorder(Recorder):
         self._path = out / log_name(event.rank)
         self._key = (str(out), event.rank)
         out.mkdir(parents=True, exist_ok=True)
+        if event.rank == 0:  # the run owns every rank's log and its kept copy, even if it is killed
+            record_output(out, *(f"{log_name(r)}{s}" for r in range(event.world_size) for s in ("", ".1")))
         self._header = encode_header(
             backend=event.backend,
             task=event.task,
