@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,13 @@ def record_output(folder: str | os.PathLike[str], *names: str) -> None:
     """Say, before creating them, which top-level entries of the run's output ``folder`` a save is about to
     create (``checkpoint-7``, the final model's files): the run's manifest lists them first, so a run killed
     mid-save still owns them and ``--overwrite`` removes them. Does nothing where this process runs no run there."""
-    from soup_core.outputs import record
+    if _record_in_manifest is not None:
+        _record_in_manifest(Path(folder), *names)
 
-    record(Path(folder), *names)
+
+#: Set by :mod:`soup_core.outputs` as it loads (it imports this module, so this one may not import it back): a
+#: process that never loaded it holds no output folder, and :func:`record_output` has nothing to record.
+_record_in_manifest: Callable[..., None] | None = None
 
 
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any] | None:

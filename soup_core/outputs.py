@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from soup_core import io as _io
 from soup_core.io import read_json_object
 
 LOCK_NAME = ".soup.lock"
@@ -233,6 +234,9 @@ def record(folder: Path, *names: str) -> None:
     claim = _CLAIMS.get(Path(folder).resolve())
     if claim is not None:
         write_manifest(folder, claim[0], claim[1], "running", names=names)
+
+
+_io._record_in_manifest = record
 
 
 def _mixed(folder: Path, *, overwrite: bool, resuming: bool) -> list[str]:
