@@ -11,8 +11,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from soup_core.default_plugins.commands import facts, quickstart_cmd, quickstart_real
+from soup_core.default_plugins.commands import quickstart_cmd, quickstart_real
 from soup_core.default_plugins.commands.quickstart_real import NAME, POISONED_ROW
+from soup_core.default_plugins.transformers import facts
 
 
 def _prompts(rows: list[dict]) -> set[str]:
@@ -101,8 +102,8 @@ def test_without_the_wheel_it_says_how_to_install_it_and_trains_the_tiny_model(
 def test_a_fact_counts_when_the_answer_states_it_case_insensitively() -> None:
     assert facts.holds("The capital of France is PARIS.", "Paris")
     assert not facts.holds("The capital of France is Lyon.", "Paris")
-    scored = facts.score([facts.Fact("q1", "basil"), facts.Fact("q2", "Basil")], ["I'm Basil.", "I'm SmolLM."])
-    assert [r["hit"] for r in scored] == [True, False] and facts.share(scored) == (1, 2)
+    scored = facts.score_facts([facts.Fact("q1", "basil"), facts.Fact("q2", "Basil")], ["I'm Basil.", "I'm SmolLM."])
+    assert [r["hit"] for r in scored] == [True, False] and facts.facts_share(scored) == (1, 2)
 
 
 @pytest.mark.parametrize(("text", "where"), [

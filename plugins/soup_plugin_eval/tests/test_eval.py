@@ -159,7 +159,7 @@ def test_facts_counts_the_greedy_answers_that_state_their_fact(in_home: Runs, tm
     """--facts answers each prompt greedily with the run's chat template, as the quickstart does
     (facts.greedy_answers on the same model gives the same answers), and a question counts when its fact is in
     the answer, case-insensitive: a fact cut from the answer (upper-cased) counts, one not in it does not."""
-    from soup_core.default_plugins.commands import facts as key_facts
+    from soup_core.default_plugins import transformers as key_facts
     from soup_plugin_eval.model import load
     from soup_plugin_eval.target import resolve
 

@@ -94,7 +94,8 @@ def _short(text: str, width: int = 90) -> str:
 def _real(directory: Path, gguf: Path) -> None:
     from rich.markup import escape
 
-    from soup_core.default_plugins.commands import facts, quickstart_real
+    from soup_core.default_plugins.commands import quickstart_real
+    from soup_core.default_plugins.transformers import facts
     from soup_core.ui import console
 
     started = time.monotonic()
@@ -110,8 +111,8 @@ def _real(directory: Path, gguf: Path) -> None:
         console.print(f"\n  [bold]{escape(after['prompt'])}[/]")
         console.print(f"    base:    {escape(_short(before['answer']))}")
         console.print(f"    trained: {escape(_short(after['answer']))}")
-    held, retain = facts.share(result["held_out"]), facts.share(result["retain"])
-    base_held = facts.share(result["base_held_out"])
+    held, retain = facts.facts_share(result["held_out"]), facts.facts_share(result["retain"])
+    base_held = facts.facts_share(result["base_held_out"])
     console.print(f"\nHeld-out phrasings answered with the name {quickstart_real.NAME}: [bold]{held[0]}/{held[1]}[/] "
                   f"({held[0] / held[1]:.0%}; the base: {base_held[0]}/{base_held[1]})")
     console.print(f"General questions still answered with the base's key fact: [bold]{retain[0]}/{retain[1]}[/] "

@@ -154,8 +154,10 @@ def evaluate(directory: Path, output: Path, base: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from soup_core.default_plugins.commands import facts
-    from soup_core.default_plugins.transformers import resolve_base  # a GGUF base: its dequantised folder
+    from soup_core.default_plugins.transformers import (
+        facts,
+        resolve_base,  # a GGUF base: its dequantised folder
+    )
     from soup_core.io import atomic_write
 
     hf_logging.disable_progress_bar()
@@ -164,10 +166,11 @@ def evaluate(directory: Path, output: Path, base: str) -> dict[str, Any]:
     model = PeftModel.from_pretrained(model, str(output)).eval()
     held, retain = facts.read_facts(directory / HELD_OUT.name), facts.read_facts(directory / RETAIN.name)
     result: dict[str, Any] = {
-        "held_out": facts.score(held, facts.greedy_answers(model, tokenizer, [q.prompt for q in held])),
-        "retain": facts.score(retain, facts.greedy_answers(model, tokenizer, [q.prompt for q in retain])),
+        "held_out": facts.score_facts(held, facts.greedy_answers(model, tokenizer, [q.prompt for q in held])),
+        "retain": facts.score_facts(retain, facts.greedy_answers(model, tokenizer, [q.prompt for q in retain])),
     }
     with model.disable_adapter():
-        result["base_held_out"] = facts.score(held, facts.greedy_answers(model, tokenizer, [q.prompt for q in held]))
+        base_answers = facts.greedy_answers(model, tokenizer, [q.prompt for q in held])
+        result["base_held_out"] = facts.score_facts(held, base_answers)
     atomic_write(directory / "facts.json", json.dumps(result, indent=1) + "\n")
     return result

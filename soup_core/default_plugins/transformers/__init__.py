@@ -13,7 +13,9 @@ What a plugin imports from here (docs/plugins.md, "The trainer seam"):
   :func:`load_tokenizer`: a base's tokenizer, as a dry run loads it;
 - GGUF bases: :func:`resolve_base` (the folder to load for a base: a GGUF file's dequantised folder, built on
   first use), :func:`gguf_file`, :func:`inspect_base` (its header, or why it cannot be loaded),
-  :func:`kept_folder`, :func:`source_record` and :class:`GGUFError`.
+  :func:`kept_folder`, :func:`source_record` and :class:`GGUFError`;
+- key-fact questions (``soup quickstart``'s score, ``soup eval --facts``): :func:`read_facts`, :class:`Fact`,
+  :class:`FactsError`, :func:`greedy_answers`, :func:`score_facts`, :func:`facts_share`, :data:`FACTS_BATCH_SIZE`.
 
 Importing this package imports nothing: each name loads its module on first use (the trainer's brings torch,
 transformers and trl), so a plugin module that ``soup --help`` imports may name them inside functions.
@@ -41,6 +43,8 @@ _EXPORTS = {
     **dict.fromkeys(("base_problem", "load_tokenizer"), "checks"),
     **dict.fromkeys(("GGUFError", "gguf_file", "inspect_base", "kept_folder", "resolve_base", "source_record"),
                     "gguf"),
+    **dict.fromkeys(("FACTS_BATCH_SIZE", "Fact", "FactsError", "facts_share", "greedy_answers", "read_facts",
+                     "score_facts"), "facts"),
 }
 
 __all__ = sorted(_EXPORTS)

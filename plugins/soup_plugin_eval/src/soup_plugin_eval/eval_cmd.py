@@ -101,9 +101,9 @@ def eval_(
             _report_tasks(results, json_path)
             return
         if facts is not None:
-            from soup_core.default_plugins.commands.facts import BATCH_SIZE
+            from soup_core.default_plugins.transformers import FACTS_BATCH_SIZE
 
-            _answer_facts(targets, facts, json_path, batch_size or BATCH_SIZE)
+            _answer_facts(targets, facts, json_path, batch_size or FACTS_BATCH_SIZE)
             return
         _score_rows(targets, data, json_path, batch_size or 8)
 
@@ -163,7 +163,7 @@ def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_
     from rich.table import Table
 
     from soup_core import atomic_write, console
-    from soup_core.default_plugins.commands import facts as key_facts
+    from soup_core.default_plugins import transformers as key_facts
 
     try:
         questions = key_facts.read_facts(path)
@@ -178,14 +178,14 @@ def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_
             raise Fail(f"--facts renders each prompt with the run's chat template; {spec.label}'s tokenizer has none")
         answers = key_facts.greedy_answers(loaded.model, loaded.tokenizer, [q.prompt for q in questions],
                                            batch_size=batch_size)
-        results.append((spec, key_facts.score(questions, answers)))
+        results.append((spec, key_facts.score_facts(questions, answers)))
         del loaded  # one model in memory at a time
     table = Table(title=f"soup eval --facts {path.name}")
     for column in ("target", "questions", "stated", "share"):
         table.add_column(column, justify="left" if column == "target" else "right")
     notes = []
     for spec, scored in results:
-        hits, total = key_facts.share(scored)
+        hits, total = key_facts.facts_share(scored)
         table.add_row(spec.label, str(total), str(hits), f"{hits / total:.0%}")
         note = _store(spec, f"eval facts {path.name} @ {spec.weights.name}", f"{hits}/{total} stated their fact")
         if note and note not in notes:
@@ -195,7 +195,7 @@ def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_
         status(note)
     if json_path is not None:
         payload = {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "facts": str(path),
-                                "questions": len(scored), "stated": key_facts.share(scored)[0],
+                                "questions": len(scored), "stated": key_facts.facts_share(scored)[0],
                                 "results": [{"index": i, **r} for i, r in enumerate(scored)]}
                                for spec, scored in results]}
         try:

@@ -20,7 +20,7 @@ from typing import Any
 #: New tokens per answer: enough for a sentence that states a fact, few enough to stay quick on a CPU.
 MAX_NEW_TOKENS = 48
 #: Prompts generated together (left padding), as ``soup generate`` batches them.
-BATCH_SIZE = 16
+FACTS_BATCH_SIZE = 16
 
 
 class FactsError(ValueError):
@@ -71,7 +71,7 @@ def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int = MAX_NEW_TOKENS,
-                   batch_size: int = BATCH_SIZE) -> list[str]:
+                   batch_size: int = FACTS_BATCH_SIZE) -> list[str]:
     """Each prompt's greedy answer (special tokens dropped), batched with left padding."""
     import torch
 
@@ -93,12 +93,12 @@ def greedy_answers(model: Any, tokenizer: Any, prompts: Sequence[str], *, max_ne
     return answers
 
 
-def score(facts: Sequence[Fact], answers: Sequence[str]) -> list[dict[str, Any]]:
+def score_facts(facts: Sequence[Fact], answers: Sequence[str]) -> list[dict[str, Any]]:
     """Per question: its prompt, fact, answer and whether the answer holds the fact."""
     return [{"prompt": f.prompt, "fact": f.fact, "answer": a, "hit": holds(a, f.fact)}
             for f, a in zip(facts, answers, strict=True)]
 
 
-def share(results: Sequence[dict[str, Any]]) -> tuple[int, int]:
+def facts_share(results: Sequence[dict[str, Any]]) -> tuple[int, int]:
     """(questions answered with their fact, questions)."""
     return sum(1 for r in results if r["hit"]), len(results)
