@@ -136,8 +136,9 @@ def run_clean(name: str, seed: int, workdir: Path, tiny: Path, *, guard: bool, w
     return out
 
 
-def run_poisoned(name: str, seed: int, workdir: Path, tiny: Path, *, guard: bool, watchdog: bool) -> dict[str, Any]:
-    """The quickstart's poisoned row (its settings, 5 epochs) or the focal sample's: quarantined, alone."""
+def run_poisoned(name: str, workdir: Path, tiny: Path, *, guard: bool, watchdog: bool) -> dict[str, Any]:
+    """The quickstart's poisoned row (its settings, seed 0, 5 epochs) or the focal sample's (its soup.yaml):
+    quarantined, alone. Their own settings, seed included: the row's place in the run is the documented one."""
     import yaml
 
     import soup_plugin_focal.plugin as focal
@@ -149,7 +150,7 @@ def run_poisoned(name: str, seed: int, workdir: Path, tiny: Path, *, guard: bool
     if name == "poisoned_quickstart":
         rows = write_jsonl(workdir / "quickstart.jsonl", synthetic_rows())
         cfg = {"base": str(tiny), "task": "sft", "data": {"train": str(rows), "format": "chat", "val_split": 0.0},
-               "training": {**data.QUICKSTART, "epochs": 5, "seed": seed}}
+               "training": {**data.QUICKSTART, "epochs": 5, "seed": 0}}
         plugins, poisoned = [], POISONED_ROW
     else:
         sample = _common.REPO / "plugins" / "soup_plugin_focal" / "sample"
@@ -241,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         # fire run once, on the first tuning seed (the first seed given where that is not among them)
         once = data.TUNING_SEEDS[0] if data.TUNING_SEEDS[0] in seeds else seeds[0]
         for seed, name in [(seed, name) for seed in seeds for name in names if name in CLEAN or seed == once]:
-            key = f"{name}/seed{seed}"
+            key = f"{name}/own-settings" if name in POISONED else f"{name}/seed{seed}"
             workdir = Path(tmp) / key.replace("/", "-")
             if name in BLOWUPS:
                 cases[key] = run_blowup(name, seed, workdir, tiny, guard=guard)
             elif name in POISONED:
-                cases[key] = run_poisoned(name, seed, workdir, tiny, guard=guard, watchdog=watchdog)
+                cases[key] = run_poisoned(name, workdir, tiny, guard=guard, watchdog=watchdog)
             elif name == "real":
                 if not args.real:
                     parser.error("the case 'real' needs --real PATH")
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                                        extra=REAL[1])
             else:
                 cases[key] = run_clean(name, seed, workdir, tiny, guard=guard, watchdog=watchdog)
-            cases[key]["tuning_seed"] = seed in data.TUNING_SEEDS
+            cases[key]["tuning_seed"] = seed in data.TUNING_SEEDS or name in POISONED  # theirs: seed 0
             _common.say(f"{key}: {json.dumps(cases[key])}")
             if args.record:  # as it goes: a long suite cut short still leaves what it ran
                 _common.record(RESULTS, _result(cases, torch, guard, watchdog), _merge(cases, torch))
@@ -274,13 +275,14 @@ def expected() -> list[str]:
     """Every case of the full suite (the real-model one apart): what ``complete`` is judged against."""
     first = data.TUNING_SEEDS[0]
     return [*(f"{n}/seed{s}" for s in (*data.TUNING_SEEDS, *data.UNTUNED_SEEDS) for n in CLEAN),
-            *(f"{n}/seed{first}" for n in (*POISONED, *BLOWUPS))]
+            *(f"{n}/seed{first}" for n in BLOWUPS), *(f"{n}/own-settings" for n in POISONED)]
 
 
 def _merge(cases: dict[str, dict[str, Any]], torch: Any) -> Any:
     """A part run replaces its own cases in the recorded file and keeps the others (both rules on only)."""
     def merge(old: Any) -> dict[str, Any]:
         kept = (old or {}).get("cases", {}) if (old or {}).get("guard") and (old or {}).get("watchdog") else {}
+        kept = {k: v for k, v in kept.items() if not k.startswith(POISONED) or k.endswith("/own-settings")}
         return _result({**kept, **cases}, torch, True, True)
 
     return merge
