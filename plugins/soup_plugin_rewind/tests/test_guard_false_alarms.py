@@ -6,9 +6,11 @@ near-zero median where one row of a 4-row batch always carries most of the loss;
 every later step), with a poisoned or non-finite row among the same steps as the control that it still acts.
 And real runs of the false-alarm sets (``tests/fixtures/false_alarms``), each cut a few steps past where the
 old rule first quarantined a clean row: three on seeds the rule was tuned on (0, 1), one on an untuned seed
-(2); ``benchmarks/guard_false_alarms.py`` runs every set on the tuning seeds 0-1 and the untuned 2-5 to the
-end. The poisoned rows of the quickstart (test_guard.py, test_guard_modes.py) and of the focal sample
-(soup_plugin_focal's tests) are still quarantined alone."""
+(2). They run as a user does, with the watchdog on (its default) beside the guard, so they also show that the
+two together stop, skip and quarantine nothing; the quickstart run with its poisoned row is their control
+(both on, the row still quarantined alone). ``benchmarks/false_alarms.py`` runs every set on the tuning seeds
+0-1 and the untuned 2-5 to the end, both on. The poisoned rows of the quickstart (test_guard.py,
+test_guard_modes.py) and of the focal sample (soup_plugin_focal's tests) are still quarantined alone."""
 
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ def test_the_printed_action_names_the_row_its_file_and_line_and_the_rule(run_tra
 
     data = write_jsonl(tmp_path / "train.jsonl", synthetic_rows())
     result = run_training(_config(data, max_steps=33, seed=0))
+    assert "update_ratio" in result.steps[-1].metrics  # the watchdog ran beside the guard, and let it act
     [said] = [line for line in result.output.splitlines() if "spike guard:" in line]
     assert "step 32: update skipped (spike guard: step 32's loss" in said, said
     assert "at least 3 over it and the previous step, and 4 robust deviations" in said, said
@@ -125,15 +128,15 @@ def test_the_printed_action_names_the_row_its_file_and_line_and_the_rule(run_tra
 
 
 def _config(data: Path, fmt: str = "chat", **training: Any) -> dict[str, Any]:
-    """The false-alarm sets' settings (their README): the quickstart's, the guard on quarantine, the watchdog
-    off (this is the guard's test)."""
+    """The false-alarm sets' settings (their README): the quickstart's, the guard on quarantine and the
+    watchdog on (the default; issue 28 asks the clean sets to pass with both)."""
     seed = training.pop("seed")
     return {
         "task": "sft",
         "data": {"train": str(data), "format": fmt, "val_split": 0.0, "max_length": 256, "seed": seed},
         "training": {"learning_rate": 5e-3, "batch_size": 4, "gradient_accumulation_steps": 1,
                      "scheduler": "constant", "dtype": "float32", "lora": {"r": 0}, "seed": seed,
-                     "spike_guard": "quarantine", "watchdog": False, **training},
+                     "spike_guard": "quarantine", **training},
     }
 
 
@@ -146,7 +149,8 @@ def _config(data: Path, fmt: str = "chat", **training: Any) -> dict[str, Any]:
 ])
 def test_a_clean_set_trains_to_the_end_with_nothing_skipped_or_quarantined(run_training, name, fmt, seed, steps):
     result = run_training(_config(SETS / f"{name}.jsonl", fmt, seed=seed, max_steps=steps))
-    assert result.status == "completed" and len(result.steps) == steps
+    assert result.status == "completed" and len(result.steps) == steps  # no stop: the watchdog is on
+    assert "watchdog" not in result.output and all("update_ratio" in s.metrics for s in result.steps)  # it ran
     assert [s.step for s in result.steps if s.metrics.get("update_skipped")] == []
     assert not any(s.metrics.get("rows_excluded") for s in result.steps)
     assert "spike guard" not in result.output
