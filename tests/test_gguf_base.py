@@ -93,6 +93,10 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
     # the control: the check tells weights apart (Q8_0 rounded the tiny model's own weights)
     original = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).state_dict()
     assert not all(torch.equal(original[k], cached[k]) for k in cached)
+    from soup_core.io import umask
+
+    modes = {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}  # safetensors alone would make it 0600
+    assert set(modes.values()) == {0o666 & ~umask()} and "model.safetensors" in modes and len(modes) > 2, modes
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert gguf.resolve_base(str(tiny_gguf), "float32", report=None) == str(folder)  # kept: not rebuilt
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
@@ -101,7 +105,7 @@ def test_the_dequantised_folder_holds_exactly_what_transformers_loads(
     from soup_core.default_plugins.commands.cache_cmd import cache_app
 
     listed = CliRunner().invoke(cache_app, ["list"])
-    assert "1 dequantised GGUF bases" in listed.output and folder.name in listed.output, listed.output
+    assert "1 dequantised GGUF base, " in listed.output and folder.name in listed.output, listed.output
     # a process that uses the folder (this one: resolve_base holds it until exit) keeps it, and so the temp
     # folder of one that dequantises it now
     import os

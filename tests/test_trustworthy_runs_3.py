@@ -200,7 +200,8 @@ def test_an_unusable_data_cache_is_one_message_exit_1(tiny_model: Path, tmp_path
 
     def check(failed: subprocess.CompletedProcess[str], cache: Path) -> None:
         assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
-        assert f"the data cache {cache} cannot be used: {os.strerror(number)}" in failed.stderr
+        said = str(cache) if how == "file" else f"the data cache {cache}"  # a file SOUP_HOME: checked first
+        assert f"{said} cannot be used: {os.strerror(number)}" in failed.stderr
         assert "fix: set SOUP_HOME" in failed.stderr and "free space" in failed.stderr
 
     with monkeypatch.context() as patch:
@@ -208,7 +209,7 @@ def test_an_unusable_data_cache_is_one_message_exit_1(tiny_model: Path, tmp_path
         if how == "file":
             patch.setenv("SOUP_HOME", str(tmp_path / "home-file"))
             (tmp_path / "home-file").write_text("not a folder")
-            cache = tmp_path / "home-file" / "cache" / "data"
+            cache = tmp_path / "home-file"
         else:  # the training list: the first fill, in the dry run as in the run
             patch.setattr("soup_core.data.rows_cache._stream_fill", fails)
         for extra in (["--dry-run"], []):
@@ -221,6 +222,27 @@ def test_an_unusable_data_cache_is_one_message_exit_1(tiny_model: Path, tmp_path
             check(soup(["train", "-c", str(config), *extra]), soup_home / "cache" / "data")
     # control: with a usable cache the same run trains
     assert soup(["train", "-c", str(config), "--overwrite"]).returncode == 0
+
+
+def test_an_unusable_soup_home_is_one_message_for_every_command_that_uses_it(tmp_path: Path, soup,
+                                                                            monkeypatch) -> None:
+    (tmp_path / "home-file").write_text("not a folder")
+    for home in (tmp_path / "home-file", tmp_path / "home-file" / "below"):
+        monkeypatch.setenv("SOUP_HOME", str(home))
+        said = (f"error: {home} cannot be used: {os.strerror(errno.ENOTDIR)}\n  fix: set SOUP_HOME (now {home}) to "
+                "a writable folder on a disk with free space, or free space there (soup cache clear removes the "
+                "cache)\n")
+        for args in (["cache", "list"], ["cache", "clear"], ["runs"], ["runs", "show", "r1"], ["train", "-c", "x"],
+                     ["generate", "r1"], ["chat", "r1"], ["eval", "r1"], ["rewind", "r1"], ["unlearn", "report"]):
+            failed = soup(args)
+            assert (failed.returncode, failed.stderr, failed.stdout) == (1, said, ""), (args, failed)
+        for args in (["--help"], ["plugins", "list"], ["cache", "list", "--help"], ["runs", "-h"]):
+            assert soup(args).returncode == 0, args  # these work without it
+    # control: a usable SOUP_HOME
+    monkeypatch.setenv("SOUP_HOME", str(tmp_path / "home"))
+    listed, runs = soup(["cache", "list"]), soup(["runs"])
+    assert listed.returncode == 0 and "0 entries" in listed.stdout and not listed.stderr, listed
+    assert runs.returncode == 1 and "No runs recorded yet" in runs.stdout + runs.stderr, runs
 
 
 FILLER = """

@@ -134,7 +134,7 @@ def _leave(code: object) -> None:
 
 
 def _run(argv: Sequence[str] | None) -> None:
-    from soup_core.plugins import manager
+    from soup_core.plugins import load_plugins, manager
 
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -155,6 +155,13 @@ def _run(argv: Sequence[str] | None) -> None:
     except manager.PluginLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    if args and args[0] not in ("plugins", "init", "doctor") and not {"-h", "--help"} & set(args) \
+            and args[0] in load_plugins().commands:  # every command that uses SOUP_HOME, before it reads there
+        from soup_core.tracker.store import home_problem
+
+        if problem := home_problem():
+            print(f"error: {problem[0]}\n  fix: {problem[1]}", file=sys.stderr)
+            raise SystemExit(1)
     try:
         app(args=args, prog_name="soup", standalone_mode=True)
     except KeyboardInterrupt:

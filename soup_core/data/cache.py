@@ -101,11 +101,10 @@ def relock(handle: Any, mode: str) -> None:
 
 def _unusable(root: Path, exc: OSError) -> DataError:
     from soup_core.data.errors import DataError
-    from soup_core.tracker.store import soup_home
+    from soup_core.tracker.store import unusable
 
-    return DataError("", None, f"the data cache {root} cannot be used: {exc.strerror or exc}",
-                     fix=f"set SOUP_HOME (now {soup_home()}) to a writable folder on a disk with free space, or "
-                         "free space there (soup cache clear removes the cache)")
+    message, fix = unusable(root, str(exc.strerror or exc))
+    return DataError("", None, f"the data cache {message}", fix=fix)
 
 
 def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[str, Any]]) -> tuple[Path, bool]:

@@ -11,6 +11,7 @@ checked from here.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -36,6 +37,19 @@ def soup_home() -> Path:
     """Soup's state directory: ``$SOUP_HOME`` if set, else ``~/.soup``. Not created here."""
     env = os.environ.get("SOUP_HOME", "").strip()
     return Path(env).expanduser() if env else Path.home() / ".soup"
+
+
+def unusable(folder: Path, reason: str) -> tuple[str, str]:
+    """The message and the fix for a folder of Soup's state (``SOUP_HOME``, a cache in it) that cannot be used."""
+    return (f"{folder} cannot be used: {reason}", f"set SOUP_HOME (now {soup_home()}) to a writable folder on a "
+            "disk with free space, or free space there (soup cache clear removes the cache)")
+
+
+def home_problem() -> tuple[str, str] | None:
+    """:func:`unusable`'s words when ``SOUP_HOME`` or the nearest folder above it that exists is a file."""
+    home = soup_home()
+    found = next(folder for folder in (home, *home.parents) if folder.exists())  # "/" exists
+    return None if found.is_dir() else unusable(home, os.strerror(errno.ENOTDIR))
 
 
 class AmbiguousRunError(LookupError):

@@ -219,3 +219,20 @@ def test_other_ranks_decide_alike_and_write_nothing(tmp_path):
     assert shape(a) == shape(b) and "Stop" in shape(a)[-1]
     assert (zero / LOG_NAME).exists() and (zero / POSTMORTEM_NAME).exists()
     assert not (one / LOG_NAME).exists() and not (one / POSTMORTEM_NAME).exists()
+
+
+def test_the_log_and_the_postmortem_are_the_runs_before_the_first_checkpoint(tmp_path):
+    """A kill before the final manifest leaves the telemetry log and the postmortem listed in the run's
+    manifest, so the next --overwrite removes them rather than refusing them as the user's."""
+    from soup_core import outputs
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with outputs.claimed(out, "r1", overwrite=False, resuming=False, note=lambda _: None):
+        controller = start(out, make_config(save_steps=2, **PID))
+        actions = drive(controller, out, [4.0] + [1.0] * 6, save_every=100)  # stops: no good checkpoint
+        assert any(isinstance(a, Stop) for a in actions[6]) and (out / POSTMORTEM_NAME).is_file()
+        (out / "mine.txt").write_text("the user's")  # control: a file Soup did not list is the user's
+        # what a kill here (before the run's end lists what it left) would leave the next --overwrite
+        owned, foreign = outputs._sorted_out(out)
+    assert {LOG_NAME, POSTMORTEM_NAME} <= set(owned) and foreign == ["mine.txt"], (owned, foreign)

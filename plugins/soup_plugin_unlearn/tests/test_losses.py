@@ -225,3 +225,29 @@ def test_beta_must_be_a_positive_finite_number(torch_one_thread, beta):
         npo_loss(torch.zeros(1), torch.zeros(1), beta)
     with pytest.raises(ValueError, match="beta"):
         simnpo_loss(torch.zeros(1), torch.ones(1), beta, 0.0)
+
+
+def test_the_eval_file_is_the_runs_before_it_is_written(tmp_path, monkeypatch) -> None:
+    """A kill while the end-of-run eval file is written leaves a file the run owns (its manifest lists it
+    first), so the next --overwrite removes it rather than refusing it as the user's."""
+    from types import SimpleNamespace
+
+    from soup_core import outputs
+    from soup_plugin_unlearn import trainer
+
+    def killed(path, text) -> None:  # the write starts, then the process is killed
+        path.write_text(text[:5])
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(trainer, "atomic_write", killed)
+    callback = trainer.UnlearnEvalCallback(None, SimpleNamespace(rank=0, run_id="run_a"), {}, eval_steps=None,
+                                           params={})
+    callback.latest = (3, {"forget_loss": 1.0})
+    with outputs.claimed(out, "run_a", overwrite=False, resuming=False, note=lambda _: None):
+        with pytest.raises(KeyboardInterrupt):
+            callback.on_train_end(SimpleNamespace(output_dir=str(out)), SimpleNamespace(global_step=3), None)
+        (out / "mine.txt").write_text("the user's")  # control: a file Soup did not list is the user's
+        # what a kill here (before the run's end lists what it left) would leave the next --overwrite
+        assert outputs._sorted_out(out) == ([trainer.EVAL_FILE], ["mine.txt"])

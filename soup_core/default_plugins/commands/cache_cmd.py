@@ -26,7 +26,7 @@ def list_cache() -> None:
 
     listed = entries()
     total = sum(e["bytes"] for e in listed)
-    typer.echo(f"{cache_root()}: {len(listed)} entries, {_size(total)} of {_size(limit_bytes())} "
+    typer.echo(f"{cache_root()}: {_n(len(listed), *ENTRIES)}, {_size(total)} of {_size(limit_bytes())} "
                "(SOUP_DATA_CACHE_GB sets the limit)")
     for entry in listed:
         parts = entry["parts"]
@@ -40,7 +40,7 @@ def list_cache() -> None:
     from soup_core.default_plugins.transformers import gguf
 
     bases = gguf.entries()
-    typer.echo(f"{gguf.cache_root()}: {len(bases)} dequantised GGUF bases, "
+    typer.echo(f"{gguf.cache_root()}: {_n(len(bases), *BASES)}, "
                f"{_size(sum(e['bytes'] for e in bases))}")
     for entry in bases:
         built = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.get("built") or 0))
@@ -57,15 +57,22 @@ def clear_cache() -> None:
     from soup_core.default_plugins.transformers import gguf
 
     n, freed, skipped = clear()
-    typer.echo(f"removed {n} entries ({_size(freed)}) from {cache_root()}")
-    _skipped(skipped, "entries")
+    typer.echo(f"removed {_n(n, *ENTRIES)} ({_size(freed)}) from {cache_root()}")
+    _skipped(skipped, ENTRIES)
     n, freed, skipped = gguf.clear()
-    typer.echo(f"removed {n} dequantised GGUF bases ({_size(freed)}) from {gguf.cache_root()}")
-    _skipped(skipped, "dequantised GGUF bases")
+    typer.echo(f"removed {_n(n, *BASES)} ({_size(freed)}) from {gguf.cache_root()}")
+    _skipped(skipped, BASES)
 
 
-def _skipped(skipped: dict[str, list[int]], what: str) -> None:
+ENTRIES, BASES = ("entry", "entries"), ("dequantised GGUF base", "dequantised GGUF bases")
+
+
+def _n(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _skipped(skipped: dict[str, list[int]], what: tuple[str, str]) -> None:
     if skipped:
         pids = sorted({pid for users in skipped.values() for pid in users})
         by = f" by pid {', '.join(map(str, pids))}" if pids else ""
-        typer.echo(f"skipped {len(skipped)} {what} in use{by}: {', '.join(sorted(skipped))}")
+        typer.echo(f"skipped {_n(len(skipped), *what)} in use{by}: {', '.join(sorted(skipped))}")

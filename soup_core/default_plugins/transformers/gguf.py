@@ -370,6 +370,9 @@ def _dequantise(path: Path, dtype: str, target: Path, report: Callable[[str], An
         tokenizer.save_pretrained(str(tmp))
         from soup_core.io import atomic_write, umask
 
+        for file in tmp.iterdir():  # safetensors writes its file 0600: every file follows the umask, as others do
+            os.chmod(file, 0o666 & ~umask())
+
         atomic_write(tmp / RECORD, json.dumps({
             "path": str(path.resolve()), "sha256": file_sha256(path), "dtype": dtype,
             "transformers": _transformers_version(), "built": time.time()}, indent=1))

@@ -434,6 +434,9 @@ class UnlearnEvalCallback(TrainerCallback):
             "start": self.start,
             "end": self.latest[1],
         }
+        from soup_core.io import record_output
+
+        record_output(args.output_dir, EVAL_FILE)  # listed first: a kill mid-write leaves a file the run owns
         atomic_write(Path(args.output_dir) / EVAL_FILE, json.dumps(record, indent=2) + "\n")
 
 

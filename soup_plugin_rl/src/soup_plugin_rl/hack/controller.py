@@ -108,6 +108,9 @@ class RewardHackController(Controller):
         self.rollbacks: list[tuple[int, str]] = []
         self.unrecoverable: list[int] = []
         self.stopped = False
+        from soup_core.io import record_output
+
+        record_output(self.output_dir, LOG_NAME)  # the run's, before the first checkpoint lists it
         self.log = MitigationLog(self.output_dir / LOG_NAME, report=self.report)
         self._warned_no_signal = False
 

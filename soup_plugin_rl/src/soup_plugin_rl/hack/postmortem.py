@@ -132,5 +132,7 @@ def render(f: Facts) -> str:
 def write(output_dir: str | Path, facts: Facts) -> Path:
     """Write the postmortem into ``output_dir`` atomically; returns its path."""
     from soup_core import atomic_write
+    from soup_core.io import record_output
 
+    record_output(output_dir, POSTMORTEM_NAME)  # listed first: a kill mid-write leaves a file the run owns
     return atomic_write(Path(output_dir) / POSTMORTEM_NAME, render(facts))
