@@ -205,11 +205,6 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, peft_config)
-    if float(lora.dropout) > 0 and not config.training.gradient_checkpointing:
-        # dropout's noise and dropped copies of each adapter's input not kept for backward (exact; lean_lora.py)
-        from soup_core.default_plugins.transformers.lean_lora import install
-
-        install(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     report(
