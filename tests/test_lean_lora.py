@@ -73,3 +73,19 @@ def test_no_dropout_and_eval_keep_peft_forward(tiny_model):
     model.eval()
     assert torch.equal(layer(x), type(layer).forward(layer, x))
 
+
+@pytest.mark.parametrize(("dropout", "checkpointing", "lean"), [(0.05, False, True), (0.05, True, False),
+                                                                 (0.0, False, False)])
+def test_soups_lora_gets_it_with_dropout_and_without_checkpointing(tiny_model, dropout, checkpointing, lean):
+    """Wiring: ``apply_lora`` (what ``soup train`` calls) installs it only where it saves memory."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from soup_core.default_plugins.transformers.loading import apply_lora
+
+    lora = SimpleNamespace(r=4, alpha=8, dropout=dropout, target_modules="auto")
+    config = SimpleNamespace(training=SimpleNamespace(lora=lora, gradient_checkpointing=checkpointing))
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(str(tiny_model)), config, report=lambda *_: None)
+    patched = sum("forward" in vars(m) for m in model.modules() if hasattr(m, "lora_A"))
+    assert patched == (7 * model.config.num_hidden_layers if lean else 0)
