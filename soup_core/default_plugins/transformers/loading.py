@@ -205,6 +205,12 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, peft_config)
+    if float(lora.dropout) > 0 and not config.training.gradient_checkpointing:
+        # dropout keeps a bool mask for backward, not its float noise and a dropped copy of the input (exact;
+        # lean_lora.py)
+        from soup_core.default_plugins.transformers.lean_lora import install
+
+        install(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     report(
