@@ -277,18 +277,18 @@ def test_cache_clear_skips_an_entry_a_live_process_fills_or_holds(tmp_path: Path
         wait_for(tmp_path / "filling", proc)
         busy = soup(["cache", "clear"])
         assert busy.returncode == 0 and "removed 0 entries (0 B)" in busy.stdout
-        assert f"skipped 1 entries in use by pid {proc.pid}" in busy.stdout
+        assert f"skipped 1 entry in use by pid {proc.pid}" in busy.stdout
         (tmp_path / "go").touch()
         wait_for(tmp_path / "holding", proc)  # the fill completed and the entry read back whole
         held = soup(["cache", "clear"])
-        assert "removed 0 entries" in held.stdout and f"skipped 1 entries in use by pid {proc.pid}" in held.stdout
+        assert "removed 0 entries" in held.stdout and f"skipped 1 entry in use by pid {proc.pid}" in held.stdout
         (tmp_path / "end").touch()
         assert proc.wait(timeout=60) == 0, proc.communicate()
     finally:
         proc.kill()
     # control: once its process is gone the entry is removed, and counted with its bytes
     done = soup(["cache", "clear"])
-    assert "removed 1 entries (1.1 KB)" in done.stdout and "skipped" not in done.stdout, done.stdout
+    assert "removed 1 entry (1.1 KB)" in done.stdout and "skipped" not in done.stdout, done.stdout
     assert not [p for p in (soup_home / "cache" / "data").iterdir() if p.is_dir()]
 
 
