@@ -111,7 +111,7 @@ def eval_(
 
 
 def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, batch_size: int) -> None:
-    from soup_core import atomic_write, console, load_plugins
+    from soup_core import load_plugins
     from soup_plugin_eval.evaluate import encode, eval_rows, score
 
     plugins = load_plugins()
@@ -125,34 +125,44 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
         scores = score(loaded, encoded, batch_size=batch_size, progress=Progress("scoring", len(encoded)))
         results.append((spec, scores, what, origin))
         del loaded  # one model in memory at a time
+    name = "val" if data is None else data.name
+    rows = [(spec, [str(len(scores.row_loss)), str(scores.tokens), f"{scores.loss:.4f}", f"{scores.perplexity:.4g}"],
+             f"eval {name} @ {spec.weights.name}",
+             f"loss {scores.loss:.4f}, perplexity {scores.perplexity:.4g} ({len(scores.row_loss)} rows, "
+             f"{scores.tokens} tokens)") for spec, scores, _what, _origin in results]
+    _report(f"soup eval: {results[0][2]}" if len({r[2] for r in results}) == 1 else "soup eval",
+            ("target", "rows", "tokens", "loss", "perplexity"), rows, json_path, lambda: {"targets": [{
+                "target": spec.spec, "label": spec.label, "run_id": spec.run_id, "data": what,
+                "rows": len(scores.row_loss), "tokens": scores.tokens, "loss": _num(scores.loss),
+                "perplexity": _num(scores.perplexity),
+                "row_losses": [{"index": i, "loss": _num(loss), "tokens": n, **_source(origin(i))}
+                               for i, (loss, n) in enumerate(zip(scores.row_loss, scores.row_tokens, strict=True))],
+            } for spec, scores, what, origin in results]}, allow_nan=False)
+
+
+def _report(title: str, columns: tuple[str, ...], rows: list[tuple[Any, list[str], str, str]],
+            json_path: Path | None, payload: Any, *, allow_nan: bool = True) -> None:
+    """One table row per target (its label, then ``cells``), each target's result stored in its run once
+    (``key``, ``text``), and ``payload()`` written to ``json_path`` when given."""
     from rich.table import Table
 
-    table = Table(title=f"soup eval: {results[0][2]}" if len({r[2] for r in results}) == 1 else "soup eval")
-    for column in ("target", "rows", "tokens", "loss", "perplexity"):
+    from soup_core import atomic_write, console
+
+    table = Table(title=title)
+    for column in columns:
         table.add_column(column, justify="left" if column == "target" else "right")
-    notes = []
-    for spec, scores, _what, _origin in results:
-        table.add_row(spec.label, str(len(scores.row_loss)), str(scores.tokens), f"{scores.loss:.4f}",
-                      f"{scores.perplexity:.4g}")
-        name = "val" if data is None else data.name
-        note = _store(spec, f"eval {name} @ {spec.weights.name}",
-                      f"loss {scores.loss:.4f}, perplexity {scores.perplexity:.4g} ({len(scores.row_loss)} rows, "
-                      f"{scores.tokens} tokens)")
+    notes: list[str] = []
+    for spec, cells, key, text in rows:
+        table.add_row(spec.label, *cells)
+        note = _store(spec, key, text)
         if note and note not in notes:
             notes.append(note)
     console.print(table)
     for note in notes:
         status(note)
     if json_path is not None:
-        payload = {"targets": [{
-            "target": spec.spec, "label": spec.label, "run_id": spec.run_id, "data": what,
-            "rows": len(scores.row_loss), "tokens": scores.tokens, "loss": _num(scores.loss),
-            "perplexity": _num(scores.perplexity),
-            "row_losses": [{"index": i, "loss": _num(loss), "tokens": n, **_source(origin(i))}
-                           for i, (loss, n) in enumerate(zip(scores.row_loss, scores.row_tokens, strict=True))],
-        } for spec, scores, what, origin in results]}
         try:
-            atomic_write(json_path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
+            atomic_write(json_path, json.dumps(payload(), indent=1, allow_nan=allow_nan) + "\n")
         except OSError as exc:
             raise Fail(f"--json {json_path}: {exc}") from None
         status(f"wrote {json_path}")
@@ -160,9 +170,7 @@ def _score_rows(targets: list[str], data: Path | None, json_path: Path | None, b
 
 def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_size: int) -> None:
     """Greedy answers of each target to the questions of ``path``; the share that states each key fact."""
-    from rich.table import Table
 
-    from soup_core import atomic_write, console
     from soup_core.default_plugins import transformers as key_facts
 
     try:
@@ -180,29 +188,16 @@ def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_
                                            batch_size=batch_size)
         results.append((spec, key_facts.score_facts(questions, answers)))
         del loaded  # one model in memory at a time
-    table = Table(title=f"soup eval --facts {path.name}")
-    for column in ("target", "questions", "stated", "share"):
-        table.add_column(column, justify="left" if column == "target" else "right")
-    notes = []
+    rows = []
     for spec, scored in results:
         hits, total = key_facts.facts_share(scored)
-        table.add_row(spec.label, str(total), str(hits), f"{hits / total:.0%}")
-        note = _store(spec, f"eval facts {path.name} @ {spec.weights.name}", f"{hits}/{total} stated their fact")
-        if note and note not in notes:
-            notes.append(note)
-    console.print(table)
-    for note in notes:
-        status(note)
-    if json_path is not None:
-        payload = {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "facts": str(path),
-                                "questions": len(scored), "stated": key_facts.facts_share(scored)[0],
-                                "results": [{"index": i, **r} for i, r in enumerate(scored)]}
-                               for spec, scored in results]}
-        try:
-            atomic_write(json_path, json.dumps(payload, indent=1) + "\n")
-        except OSError as exc:
-            raise Fail(f"--json {json_path}: {exc}") from None
-        status(f"wrote {json_path}")
+        rows.append((spec, [str(total), str(hits), f"{hits / total:.0%}"],
+                     f"eval facts {path.name} @ {spec.weights.name}", f"{hits}/{total} stated their fact"))
+    _report(f"soup eval --facts {path.name}", ("target", "questions", "stated", "share"), rows, json_path,
+            lambda: {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "facts": str(path),
+                                  "questions": len(scored), "stated": key_facts.facts_share(scored)[0],
+                                  "results": [{"index": i, **r} for i, r in enumerate(scored)]}
+                                 for spec, scored in results]})
 
 
 def _report_tasks(results: list[tuple[Any, dict[str, dict[str, Any]]]], json_path: Path | None) -> None:
