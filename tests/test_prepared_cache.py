@@ -322,3 +322,51 @@ def test_the_cached_training_list_fails_as_the_built_one(tmp_path, soup_home, ca
         cached_training_list(data, formats=formats, base_dir=tmp_path)
     assert str(cached.value) == str(built.value) and cached.value.fix == built.value.fix
     assert entries() == []  # nothing is left in the cache
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from soup_core.data.cache import filled
+
+go = Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.01)
+
+def fill(folder):
+    time.sleep(1.0)  # the other process arrives meanwhile and waits to fill the same entry
+    (folder / "x.bin").write_bytes(b"1")
+    return {}
+
+folder, now = filled("t", {"k": "ranks"}, fill)
+print("filled" if now else "read", flush=True)
+sys.stdin.read()  # keep the entry's shared lock, as a rank does until its run ends
+"""
+
+
+def test_two_processes_that_keep_an_entry_both_get_it(tmp_path, soup_home):
+    """Two ranks start on a missing entry: one fills it and keeps holding it (shared) for its whole run; the
+    other must then read it, not wait on that shared lock forever (a two-process run once hung here)."""
+    import os
+    import subprocess
+    import sys
+
+    script, go = tmp_path / "holder.py", tmp_path / "go"
+    script.write_text(_HOLDER)
+    env = {**os.environ, "SOUP_HOME": str(soup_home)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(go)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    said: list[str] = []
+    try:
+        time.sleep(0.5)  # both started and waiting for the word
+        go.touch()
+        readers = [threading.Thread(target=lambda p=p: said.append(p.stdout.readline().strip())) for p in procs]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=15)
+        assert sorted(said) == ["filled", "read"]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

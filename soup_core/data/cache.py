@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,24 +79,30 @@ def _flock(path: Path, mode: str, *, wait: bool = True) -> Any:
 
 def hold(lock: Path) -> Any:
     """A shared lock on ``lock`` (``.NAME.lock`` beside an entry ``NAME``; the GGUF cache uses these locks too):
-    the handle, for :func:`relock`, and to :func:`retain` once the entry is there (close it if it never is)."""
-    if lock in _HELD:  # this process's own shared lock would keep its exclusive one waiting forever
+    the handle, to :func:`retain` once the entry is there (close it if it never is)."""
+    if lock in _HELD:  # a second handle of this process's own: the first is no longer needed
         _HELD.pop(lock).close()
-    return _flock(lock, "LOCK_SH")  # waits while another process fills or clears it
+    return _flock(lock, "LOCK_SH")  # waits while soup cache clear removes the entry
 
 
 def retain(lock: Path, handle: Any) -> None:
     """Hold the entry (shared) until the process exits: :func:`remove_folder` skips it meanwhile."""
-    relock(handle, "LOCK_SH")
     if handle is not None:
         _HELD[lock] = handle
 
 
-def relock(handle: Any, mode: str) -> None:
-    if handle is not None:  # flock turns a lock into the other kind by dropping it first: never a deadlock
-        import fcntl
-
-        fcntl.flock(handle, getattr(fcntl, mode))
+@contextlib.contextmanager
+def filling(lock: Path) -> Iterator[None]:
+    """One process at a time fills the entry of ``lock`` (check for it again inside). The exclusive lock is on a
+    second file (``.NAME.fill``): the entry's own lock is held shared by every process that uses the entry until
+    it exits, so a process waiting for it exclusively would wait for the first rank's whole run, and that rank
+    waits for it at the first collective: a deadlock."""
+    handle = _flock(lock.with_name(f"{lock.stem}.fill"), "LOCK_EX")
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 def _unusable(root: Path, exc: OSError) -> DataError:
@@ -120,21 +126,11 @@ def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[s
         root.mkdir(parents=True, exist_ok=True)
         handle = hold(lock)
         if not (final / DONE).is_file():
-            relock(handle, "LOCK_EX")
-            now = not (final / DONE).is_file()  # else another process filled it while this one waited
-        if now:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-            try:
-                meta = dict(fill(tmp))
-                done = {"kind": kind, "parts": dict(parts), "meta": meta, "created": time.time()}
-                (tmp / DONE).write_text(json.dumps(done, default=str))
-                if final.exists():  # an incomplete folder left by a crash before the marker (never renamed here)
-                    shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
-        else:
+            with filling(lock):
+                now = not (final / DONE).is_file()  # else another process filled it while this one waited
+                if now:
+                    _fill(kind, parts, fill, root, final)
+        if not now:
             _touch(final)
         retain(lock, handle)
     except BaseException as exc:
@@ -147,6 +143,21 @@ def filled(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[s
         return final, False
     prune(keep=final)
     return final, True
+
+
+def _fill(kind: str, parts: Mapping[str, Any], fill: Callable[[Path], Mapping[str, Any]], root: Path,
+          final: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        meta = dict(fill(tmp))
+        done = {"kind": kind, "parts": dict(parts), "meta": meta, "created": time.time()}
+        (tmp / DONE).write_text(json.dumps(done, default=str))
+        if final.exists():  # an incomplete folder left by a crash before the marker (never renamed here)
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def meta(folder: Path) -> dict[str, Any]:

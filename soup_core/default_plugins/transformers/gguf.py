@@ -317,9 +317,9 @@ def resolve_base(base: str | os.PathLike[str], dtype: Any = "float32", *,
             inspected = inspect_base(str(found))
             if inspected is not None and inspected[1]:
                 raise GGUFError(inspected[1])
-            locks.relock(handle, "LOCK_EX")  # one process dequantises; another waits, then loads its folder
-            if not (target / RECORD).is_file():
-                _dequantise(found, name, target, report or (lambda _: None))
+            with locks.filling(lock):  # one process dequantises; another waits, then loads its folder
+                if not (target / RECORD).is_file():
+                    _dequantise(found, name, target, report or (lambda _: None))
         locks.retain(lock, handle)  # shared until this process exits: soup cache clear skips the folder
     except BaseException:
         if handle is not None:
