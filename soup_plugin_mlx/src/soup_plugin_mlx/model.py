@@ -43,7 +43,8 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
         raise MLXBackendError(f"base: model folder {base!r} does not exist; give a folder or a hub model id")
     expanded = _gguf_folder(base, expanded, config)
     try:
-        model, wrapper, model_config = load(expanded, return_config=True)
+        model, wrapper, model_config = load(expanded, model_config=rope_from_parameters(expanded),
+                                            return_config=True)
     except (OSError, ValueError, KeyError) as exc:
         raise MLXBackendError(
             f"base: mlx-lm cannot load {base!r}: {type(exc).__name__}: {exc}. Use a model folder with "
@@ -59,6 +60,28 @@ def load_model_and_tokenizer(config: Any) -> LoadedModel:
         loaded_by="mlx",
         extra={"mlx_tokenizer": wrapper, "model_config": dict(model_config)},
     )
+
+
+def rope_from_parameters(folder: str) -> dict[str, Any]:
+    """The rope settings of a folder saved by transformers 5, in the keys mlx-lm reads. transformers 5 writes
+    ``rope_parameters: {rope_theta, rope_type, ...}`` where earlier versions wrote ``rope_theta`` and
+    ``rope_scaling``; mlx-lm's llama and qwen2 read only the old keys and otherwise take their own default
+    base (10,000 for llama: SmolLM2's is 100,000), which gives other logits than the transformers backend."""
+    import json
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # a hub id, or no config: mlx-lm says what is wrong
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return {}
+    found: dict[str, Any] = {}
+    if "rope_theta" not in config:
+        found["rope_theta"] = params["rope_theta"]
+    if params.get("rope_type", "default") != "default" and not config.get("rope_scaling"):
+        found["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return found
 
 
 def _gguf_folder(base: str, expanded: str, config: Any) -> str:
