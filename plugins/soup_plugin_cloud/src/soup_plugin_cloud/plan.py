@@ -68,8 +68,10 @@ def make_plan(config_path: Path, options: dict[str, Any]) -> tuple[Plan, list[st
         raise Refused("--cloud starts one process per GPU on every machine itself: drop --nproc, --node-rank, "
                       "--rdzv-endpoint and --rdzv-id, and give the GPUs per machine with --gpus NAME:N", 2)
     overrides = dict(options.get("overrides") or {})
-    if "training.resume_from" in overrides:
-        raise Refused("--cloud resumes by itself (--resume latest, from what --cloud-store holds): drop --resume", 2)
+    if "training.resume_from" in overrides or options.get("overwrite"):
+        raise Refused("--cloud decides itself: it resumes from what --cloud-store holds (--resume latest), and "
+                      "replaces an attempt that stopped before its first checkpoint; drop --resume and --overwrite "
+                      "(empty the store to start over)", 2)
     store = options.get("store")
     if store and not _STORE.match(store):
         raise Refused(f"--cloud-store {store!r}: give a bucket URI (s3://bucket/path, gs://..., r2://...)", 2)
@@ -96,7 +98,7 @@ def make_plan(config_path: Path, options: dict[str, Any]) -> tuple[Plan, list[st
     folder = config_path.resolve().parent
     nnodes = int(options.get("nnodes") or 1)
     plan = Plan(name=name, config_name=config_path.name, accelerator="", count=0, nnodes=nnodes,
-                spot=bool(options.get("spot")), store=store, overwrite=bool(options.get("overwrite")))
+                spot=bool(options.get("spot")), store=store)
     plan.mounts[config_path.name] = str(config_path.resolve())
     plan.overrides = {k: v for k, v in overrides.items() if k not in ("output",)}
     plan.overrides["output"] = "output"

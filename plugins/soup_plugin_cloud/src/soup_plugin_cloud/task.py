@@ -42,7 +42,6 @@ class Plan:
     packages: list[str] = field(default_factory=list)  # pip requirement strings
     mounts: dict[str, str] = field(default_factory=dict)  # path under ~/soup-job -> local absolute path
     overrides: dict[str, Any] = field(default_factory=dict)
-    overwrite: bool = False
 
 
 def cluster_name(config_path: Path) -> str:
@@ -68,8 +67,6 @@ def run_script(plan: Plan) -> str:
     train = ["soup", "train", "--config", plan.config_name, "--nproc", "$SKYPILOT_NUM_GPUS_PER_NODE",
              "--nnodes", "$SKYPILOT_NUM_NODES", "--node-rank", "$SKYPILOT_NODE_RANK",
              "--rdzv-endpoint", '"$HEAD:$SOUP_RDZV_PORT"', "--rdzv-id", '"soup-$SKYPILOT_TASK_ID"']
-    if plan.overwrite:
-        train.append("--overwrite")
     lines = [
         "set -euo pipefail",
         f"cd {JOB}",
@@ -85,11 +82,18 @@ def run_script(plan: Plan) -> str:
             'cp -a "$SOUP_CLOUD_STORE"/. output/',
             "rm -f output/.soup.lock output/.soup.lock.*",
         ]
-    lines += ["if ls -d output/checkpoint-* >/dev/null 2>&1; then RESUME=(--resume latest); fi"]
+    lines += [
+        "# a checkpoint, or a run that completed, resumes (the latter: nothing to do, exit 0); an attempt that",
+        "# stopped before its first checkpoint left only Soup's own files, which --overwrite replaces",
+        "if ls -d output/checkpoint-* >/dev/null 2>&1 || grep -qs '\"status\": *\"completed\"' output/.soup_run.json",
+        "then RESUME=(--resume latest); elif [ -f output/.soup_run.json ]; then RESUME=(--overwrite); fi",
+    ]
     if plan.store:
         lines += [
             "# while it trains, and when it ends, the output goes to the store",
-            f'( while sleep {SYNC_SECONDS}; do cp -a output/. "$SOUP_CLOUD_STORE"/ 2>/dev/null || true; done ) &',
+            "# (its sleep ends with it, and holds none of the job's output streams open)",
+            f"( trap 'kill $nap 2>/dev/null; exit 0' TERM; while :; do sleep {SYNC_SECONDS} & nap=$!; wait $nap",
+            '  cp -a output/. "$SOUP_CLOUD_STORE"/ || true; done ) >/dev/null 2>&1 &',
             "SYNC=$!",
             "status=0",
             " ".join(train) + ' ${RESUME[@]+"${RESUME[@]}"} || status=$?',
