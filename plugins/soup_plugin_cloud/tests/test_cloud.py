@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from soup_core.testing import run_soup, write_jsonl, write_yaml
+
 from soup_plugin_cloud import accelerators as acc
 
 REPO = Path(__file__).resolve().parents[3]
