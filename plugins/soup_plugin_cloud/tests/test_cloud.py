@@ -126,6 +126,19 @@ def test_the_command_picks_the_gpu_and_gpus_overrides_it(tmp_path: Path) -> None
     assert not (tmp_path / "soup-sky.yaml").exists()
 
 
+def test_setup_installs_the_soup_distributions_of_this_machine_and_the_plugins_the_config_uses(tmp_path: Path) -> None:
+    import importlib.metadata
+
+    core = importlib.metadata.version("soup-core")
+    cfg = cloud_config(tmp_path, "some-org/model")
+    assert plan(cfg, "--gpus", "T4")["setup"].count("soup-") == 1  # sft on transformers: the core alone
+    assert f"'soup-core[train]=={core}'" in plan(cfg, "--gpus", "T4")["setup"]
+    cfg.write_text(cfg.read_text() + "task: weighted_sft\n")  # the example plugin's task
+    setup = plan(cfg, "--gpus", "T4")["setup"]
+    example = importlib.metadata.version("soup-plugin-example")
+    assert f"install --quiet 'soup-core[train]=={core}' soup-plugin-example=={example}\n" in setup
+
+
 @pytest.mark.parametrize(("flags", "says"), [
     (["--gpus", "A100:8"], "go with --cloud"),
     (["--cloud", "--spot", "--gpus", "T4"], "--spot needs --cloud-store"),
