@@ -131,6 +131,15 @@ def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
     """
 
 
+@hookspec(firstresult=True)
+def soup_train_elsewhere(config_path: Any, options: dict[str, Any]) -> int | None:
+    """Take ``soup train --cloud``: return its exit code, or None to let the next implementation try.
+
+    ``options`` holds the cloud flags and the command line's overrides (paths absolute). None answering is
+    refused, naming soup-plugin-cloud. Called before anything here checks the config or loads torch.
+    """
+
+
 @hookspec
 def soup_preflight(config: Any) -> PreflightReport | None:
     """Check a validated config before any data or model is loaded (also under ``--dry-run``).

@@ -121,6 +121,14 @@ def test_hook_soup_preflight() -> None:
     assert plugins.call_preflight(config=None) == [("mine", report)]
 
 
+def test_hook_soup_train_elsewhere() -> None:
+    # firstresult: a plugin that does not serve the options passes (None); the first that answers wins
+    plugins = isolated_plugins(("first", plugin(soup_train_elsewhere=lambda options: 3 if options["cloud"] else None)),
+                               ("second", plugin(soup_train_elsewhere=lambda config_path: None)))
+    assert plugins.pm.hook.soup_train_elsewhere(config_path="soup.yaml", options={"cloud": True}) == 3
+    assert plugins.pm.hook.soup_train_elsewhere(config_path="soup.yaml", options={"cloud": False}) is None
+
+
 # ---------------------------------------------------------------------------------------- meta-tests
 
 

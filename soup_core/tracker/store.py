@@ -270,22 +270,24 @@ class Tracker:
         output_dir: str | os.PathLike[str] | None = None,
         resumed_from: str | None = None,
         run_id: str | None = None,
+        submitted_to: str | None = None,
     ) -> str:
         """Record a new ``running`` run (with this process's pid and host); returns its id.
 
         ``run_id`` is given by a launcher that picked the id before starting the processes of a
-        distributed run (:func:`new_run_id`); otherwise a new one is made."""
+        distributed run (:func:`new_run_id`); otherwise a new one is made. ``submitted_to`` records a run
+        handed to other machines (``soup train --cloud-submit``) as ``submitted``, there and with no pid."""
         new_id, started = _new_id_and_time()  # started_at is the id's own time, so both sort alike
         run_id = run_id or new_id
+        pid = None if submitted_to else os.getpid()
         with self._write(create=True) as conn:
             assert conn is not None
             conn.execute(
-                f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, 'running', NULL, ?, ?, ?, "
-                "NULL, '{}', ?, ?)",
+                f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, ?, NULL, '{{}}', ?, ?)",
                 (
                     run_id, name, task, backend, base_model, _dumps(dict(config)),
-                    None if output_dir is None else str(output_dir), os.getpid(), self._host, started,
-                    resumed_from, process_start_ticks(os.getpid()),
+                    None if output_dir is None else str(output_dir), "submitted" if submitted_to else "running",
+                    pid, submitted_to or self._host, started, resumed_from, pid and process_start_ticks(pid),
                 ),
             )
         return run_id

@@ -38,6 +38,7 @@ _STATUS_STYLE = {
     "crashed": "red",
     "interrupted": "yellow",
     "stopped": "yellow",
+    "submitted": "cyan",  # handed to other machines (soup train --cloud-submit)
 }
 _CONFIG_LINES = 40
 _LIST_COLUMNS = ("id", "name", "task", "backend", "status", "started", "steps", "final loss", "output dir")

@@ -200,6 +200,18 @@ def train(
                                        "config and the command line, so every machine derives the same."),
     allow_oom_attempt: bool = typer.Option(False, "--allow-oom-attempt", help="Train even when a memory "
                                            "pre-flight predicts the run will not fit (layer streaming)."),
+    cloud: bool = typer.Option(False, "--cloud", help="Write a SkyPilot task (soup-sky.yaml, next to the config) "
+                               "for --nnodes cloud machines and print the command that launches it; nothing is "
+                               "launched (soup-plugin-cloud; docs/distributed.md)."),
+    cloud_submit: bool = typer.Option(False, "--cloud-submit", help="--cloud, then launch the task through "
+                                      "SkyPilot's Python API (pip install 'soup-core[cloud]') and record the run."),
+    gpus: str | None = typer.Option(None, "--gpus", metavar="NAME:N", help="With --cloud: accelerators per "
+                                    "machine (A100:8); default: the smallest that fits the memory estimate."),
+    spot: bool = typer.Option(False, "--spot", help="With --cloud: spot machines, as a SkyPilot managed job "
+                              "that resumes with --resume latest after a pre-emption."),
+    cloud_name: str | None = typer.Option(None, "--cloud-name", help="With --cloud: the cluster or job name."),
+    cloud_store: str | None = typer.Option(None, "--cloud-store", metavar="URI", help="With --cloud: the bucket "
+                                           "(s3://, gs://, r2://...) that checkpoints and the model go to."),
 ) -> None:
     """Train a model from a YAML config."""
     overrides = _overrides(lr=lr, epochs=epochs, max_steps=max_steps, batch_size=batch_size,
@@ -207,6 +219,11 @@ def train(
                            backend=backend, base=base, data=data, seed=seed, resume=resume)
     if allow_oom_attempt:  # the streaming plugin's field; without that plugin the config says which to install
         overrides["training.stream_allow_oom_attempt"] = True
+    if cloud or cloud_submit or gpus or spot or cloud_name or cloud_store:
+        options = {"submit": cloud_submit, "gpus": gpus, "nnodes": nnodes, "nproc": nproc, "spot": spot,
+                   "name": cloud_name, "store": cloud_store, "overwrite": overwrite, "overrides": _from_cwd(overrides),
+                   "node_flags": bool(node_rank or rdzv_endpoint or rdzv_id), "cloud": cloud or cloud_submit}
+        raise typer.Exit(_elsewhere(config, options))
     if overwrite and resume:
         from soup_core.ui import print_error
 
@@ -226,6 +243,18 @@ def train(
     code = run_train_command(config, overrides=overrides, dry_run=dry_run, nproc=nproc, overwrite=overwrite,
                              nodes=nodes)
     raise typer.Exit(code)
+
+
+def _elsewhere(config: Path, options: dict[str, Any]) -> int:
+    """``soup train --cloud``: the plugin that answers ``soup_train_elsewhere`` runs it (docs/plugins.md)."""
+    from soup_core.plugins import load_plugins
+    from soup_core.ui import print_error
+
+    code = load_plugins().pm.hook.soup_train_elsewhere(config_path=config, options=options)
+    if code is None:
+        print_error("soup train --cloud needs the plugin soup-plugin-cloud: pip install soup-plugin-cloud")
+        return 1
+    return int(code)
 
 
 def rendezvous_id(config: Path, overrides: dict[str, Any], *, nnodes: int, nproc: int) -> str:
