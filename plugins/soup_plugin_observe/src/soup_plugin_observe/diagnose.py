@@ -164,18 +164,27 @@ def _completed_findings(facts: RunFacts) -> list[Finding]:
                      f"the lowest validation loss was at step {step} (no checkpoint was saved there: set "
                      f"training.save_steps to the eval steps)") + f"; train for {step} steps: training.max_steps",
                 key="training.max_steps", value=step))
+    skipped = _log_lines(facts, r"training rows? skipped")
+    if not loss and facts.series("grad_norm"):  # steps ran, and none measured a loss: nothing was supervised
+        m = re.search(r"data\.max_length=(\d+)", skipped[0]) if skipped else None
+        limit = int(m.group(1)) if m else int(_get(config, "data.max_length") or 256)
+        said = f" ({skipped[0]})" if skipped else ""
+        out.append(Finding("learned_nothing", f"no step measured a loss: every row it trained on was truncated to "
+                           f"nothing or skipped{said}, so no weight moved", step=facts.series("grad_norm")[0][0],
+                           fix=f"raise data.max_length, to {limit * 4} say, or shorten the prompts",
+                           key="data.max_length", value=limit * 4))
     if len(loss) >= 2:
         start, end = _ends([v for _, v in loss])
         if abs(start - end) <= FLAT * abs(start):
             lr = _get(config, "training.learning_rate")
             trainable = facts.summary.get("trainable_parameters")
-            skipped = _log_lines(facts, r"rows? skipped")
             if trainable == 0:
                 out.append(Finding("learned_nothing", f"the loss stayed at {_num(start)} → {_num(end)}: no weight was "
                                    "trainable", step=loss[0][0], fix="train some weights: set training.lora.r",
                                    key="training.lora.r", value=8))
             else:
                 value = _lr_to_try(config, 100.0)
+                value = value if value >= 1e-5 else 2e-4  # far too low: the default is the value to try
                 why = f"the learning rate {lr} is too low to move the weights" if lr is not None else \
                     "the updates were too small to move the weights"
                 extra = f" ({skipped[0]})" if skipped else ""
