@@ -61,3 +61,33 @@ def helpers() -> Any:
     import types
 
     return types.SimpleNamespace(config=config, soup_process=soup_process, verdict=verdict)
+
+
+def recorded_run(home: Path, folder: Path, steps: int, *, status: str = "completed", error: str | None = None,
+                 lines: int = 50) -> str:
+    """A run written straight into the tracker under ``home`` (no training: for the light-import tests and the
+    benchmark): ``steps`` steps of loss, learning rate and grad norm, an eval every 100 steps, and ``lines``
+    progress lines in ``folder``'s soup-output.log."""
+    import math
+
+    from soup_core.tracker import Tracker
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with Tracker(home / "experiments.db") as tracker:
+        run_id = tracker.start_run(name=None, task="sft", backend="transformers", base_model="tiny",
+                                   config={"training": {"learning_rate": 2e-4, "batch_size": 4}}, output_dir=folder)
+        for step in range(1, steps + 1):
+            metrics = {"loss": 3.0 * math.exp(-step / max(1, steps / 3)) + 0.5, "learning_rate": 2e-4,
+                       "grad_norm": 1.0}
+            if step % 100 == 0:
+                metrics["eval_loss"] = metrics["loss"] + 0.1
+            tracker.log_metrics(run_id, step, metrics)
+        tracker.finish_run(run_id, status, error=error)
+    (folder / "soup-output.log").write_text(f"=== soup run {run_id} 2026-01-01 00:00:00\n" + "".join(
+        f"step {i}/{steps}  loss 1.0000  lr 2.00e-04  1,000 tok/s  eta 0:00:01\n" for i in range(lines)))
+    return run_id
+
+
+@pytest.fixture(scope="session")
+def recorded() -> Any:
+    return recorded_run
