@@ -152,7 +152,7 @@ def write_crash_bundle(run_id: str, output_dir: str, exception: BaseException | 
 
     folder = Path(output_dir)
     name = f"soup-crash-{run_id}.tar.gz"
-    facts = from_tracker(run_id)
+    facts = from_tracker(run_id, every_metric=True)
     log = folder / LOG_NAME
     if log.is_file():
         facts.log = run_part(read_tail(log), run_id)

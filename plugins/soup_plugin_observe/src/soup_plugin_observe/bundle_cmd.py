@@ -29,7 +29,7 @@ def bundle(
     from soup_plugin_observe.facts import FactsError, from_tracker
 
     try:
-        facts = from_tracker(run)
+        facts = from_tracker(run, every_metric=True)
     except FactsError as exc:
         print_error(str(exc))
         raise typer.Exit(1) from None

@@ -151,8 +151,10 @@ def _completed_findings(facts: RunFacts) -> list[Finding]:
     evals = _finite(facts.series("eval_loss"))
     if len(evals) >= MIN_EVALS:
         best = min(range(len(evals)), key=lambda i: evals[i][1])
-        last = evals[-1][1]
-        if best < len(evals) - 1 and last > evals[best][1] * (1 + OVERFIT_RISE):
+        last, after = evals[-1][1], [v for _, v in evals[best + 1:]]
+        # risen, and staying up: the last eval and the mean of those after the lowest (one noisy eval is not it)
+        rose = evals[best][1] * (1 + OVERFIT_RISE)
+        if len(after) >= 2 and last > rose and statistics.fmean(after) > rose:
             step = evals[best][0]
             keep = f"checkpoint-{step}"
             has = keep in facts.checkpoints
@@ -222,13 +224,7 @@ def _completed_findings(facts: RunFacts) -> list[Finding]:
 
 def _spikes(facts: RunFacts) -> list[Any]:
     """rewind's spike rule over the step losses (warnings: the non-finite steps are a finding of their own)."""
-    try:
-        from soup_plugin_rewind.analysis import find_spikes
-    except ImportError:  # rewind not installed: no spike rule to apply
-        return []
-    series = facts.series("loss")
-    found = find_spikes([s for s, _ in series], [v for _, v in series])
-    return [s for s in found if s.severity == "warning" and s.ratio is not None]
+    return [s for s in facts.spikes() if s.severity == "warning" and s.ratio is not None]
 
 
 def _rate(facts: RunFacts, now: float) -> str:

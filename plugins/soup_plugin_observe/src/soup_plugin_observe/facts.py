@@ -46,6 +46,19 @@ class RunFacts:
     checkpoints: list[str] = field(default_factory=list)  # names, oldest step first
     bundle: str | None = None  # the crash bundle this was read from, or the one the run wrote
     source: str = "tracker"
+    _spikes: list[Any] | None = None  # rewind's spike rule over the loss, computed once
+
+    def spikes(self) -> list[Any]:
+        """rewind's spikes of the step losses ([] without the rewind plugin)."""
+        if self._spikes is None:
+            try:
+                from soup_plugin_rewind.analysis import find_spikes
+            except ImportError:
+                self._spikes = []
+            else:
+                series = self.series("loss")
+                self._spikes = find_spikes([s for s, _ in series], [v for _, v in series])
+        return self._spikes
 
     def series(self, key: str) -> list[tuple[int, float]]:
         return self.metrics.get(key, [])
@@ -76,15 +89,21 @@ def read_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _metrics(db: Path, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of the run by key, ordered by step; read with one query on a read-only connection (a
+#: the metrics soup why and soup runs plot read (a bundle keeps every one)
+READ = ("loss", "eval_loss", "learning_rate", "grad_norm", "update_skipped")
+
+
+def _metrics(db: Path, run_id: str, keys: tuple[str, ...] | None = READ) -> dict[str, list[tuple[int, float]]]:
+    """The run's metrics ``keys`` (None: all) by key, ordered by step; one query on a read-only connection (a
     100k-step run has half a million values: the tracker's per-step dicts cost more than the read)."""
     out: dict[str, list[tuple[int, float]]] = {}
     if not db.is_file():
         return out
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
     try:
-        rows = conn.execute("SELECT key, step, value FROM metrics WHERE run_id = ? ORDER BY key, step", (run_id,))
+        only = f" AND key IN ({', '.join('?' * len(keys))})" if keys else ""
+        rows = conn.execute(f"SELECT key, step, value FROM metrics WHERE run_id = ?{only} ORDER BY key, step",
+                            (run_id, *(keys or ())))
         current: list[tuple[int, float]] = []
         last_key = None
         for key, step, value in rows:
@@ -119,8 +138,9 @@ def _quarantine(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def from_tracker(ref: str) -> RunFacts:
-    """The run ``ref`` (an id, a unique prefix, or ``latest``) from the tracker, with its output folder's files."""
+def from_tracker(ref: str, *, every_metric: bool = False) -> RunFacts:
+    """The run ``ref`` (an id, a unique prefix, or ``latest``) from the tracker, with its output folder's files
+    (the metrics :data:`READ`, or all of them)."""
     from soup_core.tracker import AmbiguousRunError, Tracker, TrackerError
 
     try:
@@ -138,7 +158,8 @@ def from_tracker(ref: str) -> RunFacts:
     facts = RunFacts(
         run_id=record.run_id, status=record.status, error=record.error, config=record.config or {},
         summary=record.summary or {}, output_dir=record.output_dir, started_at=record.started_at,
-        ended_at=record.ended_at, pid=record.pid, host=record.host, metrics=_metrics(db, record.run_id))
+        ended_at=record.ended_at, pid=record.pid, host=record.host,
+        metrics=_metrics(db, record.run_id, None if every_metric else READ))
     folder = Path(record.output_dir) if record.output_dir else None
     if folder is not None and folder.is_dir():
         log = folder / LOG_NAME

@@ -73,9 +73,7 @@ def _curve(facts, width: int):  # noqa: ANN001, ANN202 - RunFacts -> rich Text o
     if len(series) < 2:
         return None
     try:
-        from soup_plugin_rewind.analysis import find_spikes
         from soup_plugin_rewind.render import text_plot
     except ImportError:
         return None
-    steps, losses = [s for s, _ in series], [v for _, v in series]
-    return text_plot(steps, losses, find_spikes(steps, losses), width=width, height=6)
+    return text_plot([s for s, _ in series], [v for _, v in series], facts.spikes(), width=width, height=6)
