@@ -5,3 +5,10 @@ imports no torch."""
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+def say_error(message: str) -> None:
+    """One plain ``error: ...`` line on stderr, as soup's own commands print it."""
+    import typer
+
+    typer.echo(f"error: {message}", err=True)

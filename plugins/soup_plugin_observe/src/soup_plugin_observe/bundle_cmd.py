@@ -24,19 +24,19 @@ def bundle(
     from pathlib import Path
 
     from soup_core.io import atomic_write
-    from soup_core.ui import console, print_error
+    from soup_plugin_observe import say_error
     from soup_plugin_observe.bundle import build
     from soup_plugin_observe.facts import FactsError, from_tracker
 
     try:
         facts = from_tracker(run, every_metric=True)
     except FactsError as exc:
-        print_error(str(exc))
+        say_error(str(exc))
         raise typer.Exit(1) from None
     path = Path(output or f"soup-crash-{facts.run_id}.tar.gz").expanduser()
     try:
         atomic_write(path, build(facts, with_data=with_data))
     except OSError as exc:
-        print_error(f"{path}: cannot write the bundle ({exc.strerror or exc}); choose another place with -o PATH")
+        say_error(f"{path}: cannot write the bundle ({exc.strerror or exc}); choose another place with -o PATH")
         raise typer.Exit(1) from None
-    console.print(f"crash bundle: {path} (soup why {path} reads it)", markup=False, highlight=False)
+    typer.echo(f"crash bundle: {path} (soup why {path} reads it)")

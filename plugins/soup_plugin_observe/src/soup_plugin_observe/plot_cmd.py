@@ -42,29 +42,29 @@ def plot(
     from pathlib import Path
 
     from soup_core.io import atomic_write
-    from soup_core.ui import console, print_error
+    from soup_plugin_observe import say_error
     from soup_plugin_observe.facts import FactsError, from_tracker
 
     try:
         facts = [from_tracker(ref) for ref in runs]
     except FactsError as exc:
-        print_error(str(exc))
+        say_error(str(exc))
         raise typer.Exit(1) from None
     empty = [f.run_id for f in facts if not f.series("loss")]
     if empty:
-        print_error(f"run {empty[0]} recorded no loss (it ended before its first step): nothing to draw")
+        say_error(f"run {empty[0]} recorded no loss (it ended before its first step): nothing to draw")
         raise typer.Exit(1)
     from soup_plugin_rewind.curves import png
 
     try:
         picture = png(panels_for(facts))
     except ImportError:
-        print_error("soup runs plot needs matplotlib, which is not installed: pip install matplotlib")
+        say_error("soup runs plot needs matplotlib, which is not installed: pip install matplotlib")
         raise typer.Exit(1) from None
     path = Path(output).expanduser()
     try:
         atomic_write(path, picture)
     except OSError as exc:
-        print_error(f"{path}: cannot write it ({exc.strerror or exc}); choose another file with -o PATH")
+        say_error(f"{path}: cannot write it ({exc.strerror or exc}); choose another file with -o PATH")
         raise typer.Exit(1) from None
-    console.print(f"wrote {path}: {len(facts)} run(s)", markup=False, highlight=False)
+    typer.echo(f"wrote {path}: {len(facts)} run(s)")

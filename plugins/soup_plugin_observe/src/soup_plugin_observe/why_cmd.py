@@ -23,15 +23,14 @@ def why(
     """How a run ended and why, and what to change (see ``soup why --help``)."""
     import json
 
+    from soup_plugin_observe import say_error
     from soup_plugin_observe.diagnose import diagnose
     from soup_plugin_observe.facts import FactsError, load
 
     try:
         facts = load(run)
     except FactsError as exc:
-        from soup_core.ui import print_error
-
-        print_error(str(exc))
+        say_error(str(exc))
         raise typer.Exit(1) from None
     verdict = diagnose(facts)
     if as_json:
@@ -41,9 +40,10 @@ def why(
 
 
 def _print(verdict, facts) -> None:  # noqa: ANN001 - a Verdict and its RunFacts
+    from rich.console import Console
     from rich.markup import escape
 
-    from soup_core.ui import console
+    console = Console(highlight=False, soft_wrap=True)
 
     where = f" (from {facts.bundle})" if facts.source == "bundle" else ""
     console.print(f"[bold]run {escape(verdict.run_id)}[/]{escape(where)}: {escape(verdict.headline)}")
