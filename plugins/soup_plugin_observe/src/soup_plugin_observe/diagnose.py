@@ -25,7 +25,8 @@ MIN_EVALS = 3
 #: words of an out-of-memory failure (host: the allocator or Python; device: CUDA, MPS)
 OOM = re.compile(r"out of memory|MemoryError|can't allocate memory|Cannot allocate memory|DefaultCPUAllocator|"
                  r"std::bad_alloc|OutOfMemoryError", re.I)
-DEVICE_OOM = re.compile(r"CUDA out of memory|torch\.OutOfMemoryError|cuda|MPS backend out of memory|HIP", re.I)
+DEVICE_OOM = re.compile(r"CUDA out of memory|torch\.(?:cuda\.)?OutOfMemoryError|MPS backend out of memory|"
+                        r"HIP out of memory|CUDA error: out of memory")
 PROGRESS = re.compile(r"^step (\d+)/(\d+)\s.*?(?:([\d,.]+) tok/s)?\s+eta (\S+)", re.M)
 
 
@@ -107,13 +108,20 @@ def _phase(facts: RunFacts) -> str:
     steps = len(facts.series("loss"))
     if "DataError" in text or "EncodingError" in text:
         return "data"
-    if re.search(r"_load_from_checkpoint|resume_from_checkpoint|load_adapter|checkpoint-\d+", text):
+    resuming = _get(facts.config, "training.resume_from")
+    if resuming and steps == 0 and re.search(r"_load_from_checkpoint|load_peft_weights|_load_rng_state|"
+                                             r"_load_optimizer_and_scheduler|load_adapter", text):
         return "resuming from a checkpoint"
     if re.search(r"save_pretrained|save_model|_save_checkpoint|saving\.py|safetensors.*save|No space left", text):
         return "saving"
-    if steps == 0 and ("loading the model" in facts.log or "load_model" in text):
-        return "model loading" if "loading the model" in facts.log and "trainable of" not in facts.log else "setup"
-    return f"a step (after step {facts.series('loss')[-1][0]})" if steps else "setup, before the first step"
+    if steps:
+        return f"a step (step {facts.series('loss')[-1][0] + 1})"
+    if re.search(r"training_step|compute_loss|backward|_inner_training_loop", text):
+        return "a step (step 1)"
+    if re.search(r"from_pretrained|load_model", text) or ("loading the model" in facts.log and not re.search(
+            r"trainable of|LoRA off", facts.log)):
+        return "model loading"
+    return "setup, before the first step"
 
 
 def _curve_evidence(facts: RunFacts, verdict: Verdict) -> None:
