@@ -117,6 +117,8 @@ def test_a_quarantine_is_named_with_its_row(helpers: Any, runs: dict[str, str],
     finding = next(f for f in v.findings if f.kind == "quarantine")
     assert f"row {POISONED_ROW} at step" in finding.text and f"--drop-rows {POISONED_ROW}" in finding.fix
     assert any(e["source"] == "quarantine.jsonl" for e in v.evidence)
+    spikes = next(f for f in v.findings if f.kind == "spikes")  # rewind's rule on the step losses, said too
+    assert spikes.key == "training.spike_guard" and f"soup rewind {runs['quarantine']} --step " in spikes.fix
 
 
 def test_why_prints_the_verdict_and_json(helpers: Any, runs: dict[str, str],
