@@ -72,7 +72,7 @@ def _doctor() -> dict[str, Any]:
     """``soup doctor --json --quick`` (versions, no torch import) in a fresh process."""
     try:
         done = subprocess.run([sys.executable, "-m", "soup_core", "doctor", "--json", "--quick"], capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=30)
         return json.loads(done.stdout)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return {"error": f"soup doctor --json --quick failed: {type(exc).__name__}: {exc}"}
