@@ -147,3 +147,12 @@ def soup_preflight(config: Any) -> PreflightReport | None:
     Return None when the plugin has nothing to say, else a report whose lines join the printed plan;
     a report with a ``refusal`` stops the run with that reason and its fix. Must not load a model.
     """
+
+
+@hookspec
+def soup_run_end(run_id: str, output_dir: str, status: str, exception: BaseException | None) -> list[str] | None:
+    """Observe a run's end (rank 0, once its tracker row holds the status) and return lines to say last.
+
+    ``status`` is completed, stopped, failed or interrupted; ``exception`` is what ended a failed or interrupted
+    run (None otherwise). A raising implementation is reported with its plugin's name; the run's outcome stands.
+    """

@@ -193,9 +193,11 @@ def execute(
     tracker: Any = None,
     run_id: str | None = None,
     overwrite: bool = False,
+    on_claim: Callable[[Path, str], None] = lambda folder, run_id: None,
 ) -> dict[str, Any]:
     """Train: claim the output folder (rank 0; ``overwrite`` removes a previous run's files first), open the
-    tracker row, build recorders/controllers and the context, call the backend."""
+    tracker row, build recorders/controllers and the context, call the backend. ``on_claim(folder, run_id)``
+    runs on rank 0 once the folder is the run's (``soup train`` keeps its console output there)."""
     from soup_core.config import config_to_dict, dump_config_yaml
     from soup_core.data import DataError
     from soup_core.io import atomic_write
@@ -309,7 +311,8 @@ def execute(
                     told = True
                     if os.environ.get("SOUP_RUN_ID_FILE"):  # the launcher of this machine records a failure
                         Path(os.environ["SOUP_RUN_ID_FILE"]).write_text(rid, encoding="utf-8")
-                    summary = _execute_rank0(tracker, start_kwargs, _train)
+                    on_claim(plan.output_dir, rid)
+                    summary = _execute_rank0(tracker, start_kwargs, _train, plugins, report)
                     claim.update(status=summary.get("status") or "completed", steps=summary.get("steps"),
                                  max_steps=config.training.max_steps, epochs=config.training.epochs)
             except BaseException as exc:
@@ -389,9 +392,8 @@ def _close_process_group(*, wait: bool) -> None:
     dist.destroy_process_group()
 
 
-def _execute_rank0(
-    tracker: Any, start_kwargs: dict[str, Any], train: Callable[[str], dict[str, Any]]
-) -> dict[str, Any]:
+def _execute_rank0(tracker: Any, start_kwargs: dict[str, Any], train: Callable[[str], dict[str, Any]],
+                   plugins: Any, report: Callable[[str], None]) -> dict[str, Any]:
     from soup_core.tracker import RunStopped, tracked_run
 
     summary: dict[str, Any] = {}
@@ -404,4 +406,26 @@ def _execute_rank0(
                 raise RunStopped(str(summary.get("stop_reason") or "stopped by a controller"))
     except RunStopped:
         pass
+    except BaseException as exc:  # the lines soup train says after its error line: notes on the exception
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        for line in _run_end(plugins, start_kwargs, status, exc, report):
+            exc.add_note(line)
+        raise
+    for line in _run_end(plugins, start_kwargs, "stopped" if summary.get("status") == "stopped" else "completed",
+                         None, report):
+        report(line)
     return summary
+
+
+def _run_end(plugins: Any, start: dict[str, Any], status: str, exc: BaseException | None,
+             report: Callable[[str], None]) -> list[str]:
+    """Every ``soup_run_end``'s lines; a plugin that raises there is named, and the run's outcome stands."""
+    lines: list[str] = []
+    for plugin in plugins._implementers("soup_run_end"):
+        try:
+            said = plugins.call_one("soup_run_end", plugin, run_id=start["run_id"], output_dir=start["output_dir"],
+                                    status=status, exception=exc)
+            lines += [str(line) for answer in said for line in (answer or ())]
+        except Exception as failure:  # noqa: BLE001 - an observer never changes how the run ended
+            report(f"plugin {plugin!r} failed at the run's end: {type(failure).__name__}: {failure}")
+    return lines

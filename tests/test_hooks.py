@@ -129,6 +129,26 @@ def test_hook_soup_train_elsewhere() -> None:
     assert plugins.pm.hook.soup_train_elsewhere(config_path="soup.yaml", options={"cloud": False}) is None
 
 
+def test_hook_soup_run_end() -> None:
+    from soup_core.run import _run_end
+
+    seen: list[tuple] = []
+
+    def observe(run_id, status, exception):
+        seen.append((run_id, status, exception))
+        return [f"said for {run_id}"]
+
+    def broken(status):
+        raise OSError("disk full")
+
+    said: list[str] = []
+    error = ValueError("boom")
+    plugins = isolated_plugins(("mine", plugin(soup_run_end=observe)), ("other", plugin(soup_run_end=broken)))
+    lines = _run_end(plugins, {"run_id": "r1", "output_dir": "/tmp/x"}, "failed", error, said.append)
+    assert lines == ["said for r1"] and seen == [("r1", "failed", error)]
+    assert said == ["plugin 'other' failed at the run's end: OSError: disk full"]  # named; the others still said
+
+
 # ---------------------------------------------------------------------------------------- meta-tests
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, ClassVar
 
 import typer
+from typer._click import ClickException
 from typer.core import TyperGroup
 
 from soup_core.contracts import Command
@@ -30,11 +31,25 @@ def to_click(command: Command) -> Any:
 
 
 class LazyCommands(MutableMapping[str, Any]):
-    """Name -> click command, built on first lookup; keys and order are known without building."""
+    """Name -> click command, built on first lookup; keys and order are known without building. A record
+    named ``GROUP NAME`` joins the group ``GROUP`` (another plugin's, say) as ``NAME`` when that is built."""
 
     def __init__(self, records: Mapping[str, Command], built: MutableMapping[str, Any]) -> None:
-        self._records = dict(records)
+        self._records = {name: cmd for name, cmd in records.items() if " " not in name}
+        self._joining = [cmd for name, cmd in records.items() if " " in name]
         self._built = built
+
+    def _build(self, name: str) -> Any:
+        command = to_click(self._records[name])
+        for record in self._joining:
+            group, _, leaf = record.name.partition(" ")
+            if group != name:
+                continue
+            if not hasattr(command, "add_command") or leaf in command.commands:
+                raise ClickException(f"the command `soup {record.name}` cannot be added: `soup {name}` "
+                                       f"{'is not a group' if not hasattr(command, 'add_command') else 'has it'}")
+            command.add_command(to_click(record._replace(name=leaf)), leaf)
+        return command
 
     def is_built(self, name: str) -> bool:
         return name in self._built
@@ -46,7 +61,7 @@ class LazyCommands(MutableMapping[str, Any]):
         if name not in self._built:
             if name not in self._records:
                 raise KeyError(name)
-            self._built[name] = to_click(self._records[name])
+            self._built[name] = self._build(name)
         return self._built[name]
 
     def __setitem__(self, name: str, command: Any) -> None:

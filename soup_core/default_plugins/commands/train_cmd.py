@@ -271,7 +271,28 @@ def run_train_command(
     config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int = 1, overwrite: bool = False,
     nodes: dict[str, Any] | None = None,
 ) -> int:
-    """The body of ``soup train``; returns the exit code. Never lets a traceback reach the user."""
+    """The body of ``soup train``; returns the exit code. Never lets a traceback reach the user. What it
+    prints is kept in the run's output folder (``soup-output.log``, :mod:`.console_log`)."""
+    from soup_core.default_plugins.commands.console_log import kept_output
+
+    with kept_output() as kept:
+        return _train_command(config_path, overrides=overrides, dry_run=dry_run, nproc=nproc, overwrite=overwrite,
+                              nodes=nodes, kept=kept)
+
+
+def _said_last(exc: BaseException) -> None:
+    """The lines the plugins' ``soup_run_end`` hooks gave for a run that failed or was interrupted (notes on
+    its exception): the last lines ``soup train`` prints."""
+    from soup_core.ui import err_console
+
+    for note in getattr(exc, "__notes__", ()):
+        err_console.print(note, markup=False, highlight=False, soft_wrap=True)
+
+
+def _train_command(
+    config_path: Path, *, overrides: dict[str, Any], dry_run: bool, nproc: int, overwrite: bool,
+    nodes: dict[str, Any] | None, kept: Any,
+) -> int:
     from rich.markup import escape
 
     from soup_core.config import ConfigError, load_config
@@ -352,19 +373,25 @@ def run_train_command(
     try:
         with interruptible(then_leave=True):
             summary = execute(plan, plugins=plugins, report=lambda m: console.print(escape(m)),
-                              run_id=os.environ.get(RUN_ID_ENV) or None, overwrite=overwrite)
+                              run_id=os.environ.get(RUN_ID_ENV) or None, overwrite=overwrite, on_claim=kept.attach)
     except OutputRefused as exc:
         return fail(str(exc)) if rank == 0 else 1  # global rank 0 says it, once
     except KeyboardInterrupt as exc:
         if rank != 0:
             return exc.exit_code if isinstance(exc, RunInterrupted) else 130
-        return _interrupted(exc, config_path, overrides, plan)
+        code = _interrupted(exc, config_path, overrides, plan)
+        _said_last(exc)
+        return code
     except DataError as exc:  # found once the tokenizer encoded the rows; the tracker row holds it too
-        return fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
+        code = fail(str(exc) + (f"\n  fix: {exc.fix}" if exc.fix else ""))
+        _said_last(exc)
+        return code
     except Exception as exc:  # noqa: BLE001 - the tracker row already holds the failure
         if "--debug" in sys.argv or os.environ.get("SOUP_DEBUG") == "1":
             raise
-        return fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
+        code = fail(f"run failed: {exc} (set SOUP_DEBUG=1 for the traceback)")
+        _said_last(exc)
+        return code
     if summary.get("stop_failed"):  # the watchdog stopped a run that went wrong: the row says stopped
         return fail(f"run {summary.get('run_id')} stopped: {summary.get('stop_reason')}")
     console.print(f"[green]Done.[/] run {summary.get('run_id')} → {escape(str(plan.output_dir))}{_acted(summary)}")

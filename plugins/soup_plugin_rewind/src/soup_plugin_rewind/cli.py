@@ -286,37 +286,18 @@ def _write_without(path: Path, rebuilt: Any, dropped: list[int], err: Any) -> No
 
 
 def _write_plot(path: Path, steps: Any, losses: list[float | None], spikes: Any, err: Any) -> None:
-    try:
-        import matplotlib
+    from soup_plugin_rewind.curves import Line, Marks, Panel, png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    warn = [s for s in spikes if s.severity == "warning"]
+    crit = [s for s in spikes if s.severity == "critical"]
+    panel = Panel("token-weighted loss", [Line("loss", list(steps), losses)], [
+        Marks("warning", [s.step for s in warn], [s.loss for s in warn], "orange"),
+        Marks("critical (non-finite)", [s.step for s in crit], [0.0] * len(crit), "red", "x", top=True)])
+    try:
+        picture = png([panel])
     except ImportError:
         raise _Exit(1, "--plot-file needs matplotlib, which is not installed: pip install matplotlib") from None
-    import io
-    import math
-
-    xs = [s for s, v in zip(steps, losses, strict=False) if v is not None and math.isfinite(v)]
-    ys = [v for v in losses if v is not None and math.isfinite(v)]
-    fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
-    try:
-        ax.plot(xs, ys, linewidth=1, label="loss")
-        warn = [s for s in spikes if s.severity == "warning"]
-        crit = [s for s in spikes if s.severity == "critical"]
-        if warn:
-            ax.scatter([s.step for s in warn], [s.loss for s in warn], color="orange", zorder=3, label="warning")
-        if crit:
-            top = max(ys) if ys else 1.0
-            ax.scatter([s.step for s in crit], [top] * len(crit), marker="x", color="red", zorder=3,
-                       label="critical (non-finite)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("token-weighted loss")
-        ax.legend(loc="upper right")
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    _write(path, buf.getvalue(), "--plot-file", err)
+    _write(path, picture, "--plot-file", err)
 
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
