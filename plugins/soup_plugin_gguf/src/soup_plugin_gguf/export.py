@@ -164,7 +164,9 @@ def _write(source: Source, out: Path, kind: str, pre: str | None, base_types: di
     except ExportError as exc:
         _fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot write {out}: {exc.strerror or exc}; nothing was left behind. Free space on that disk "
+        # numpy's tofile reports a short write without an errno: the disk is full or a size limit was reached
+        reason = exc.strerror or f"the disk is full or a file size limit was reached ({exc})"
+        _fail(f"cannot write {out}: {reason}; nothing was left behind. Free space on that disk "
               f"(the file needs about the model's size at --type {kind}) or give -o on another disk")
     sha = _sha256(out)
     _say(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB) in {time.monotonic() - started:.0f} s; sha256 {sha}")
