@@ -40,11 +40,13 @@ def _wheel() -> Path:
     return gguf_path()
 
 
-def test_real_model_metadata_is_llama_cpps(real_model_folder: Path, tiny_gguf: Path, tmp_path: Path, soup) -> None:
+def test_real_model_metadata_is_llama_cpps(real_model_folder: Path, tiny_gguf: Path, tmp_path: Path, soup,
+                                          monkeypatch) -> None:
     import gguf
 
+    monkeypatch.setenv("SOUP_HOME", str(real_model_folder.parents[2]))  # the file's dequantised folder is kept there
     out = tmp_path / "smollm2-f32.gguf"
-    assert soup("export", real_model_folder, "--to", "gguf", "--type", "f32", "-o", out) == 0
+    assert soup("export", _wheel(), "--to", "gguf", "--type", "f32", "-o", out) == 0
     assert _differences(_wheel(), out) == {}
     keys = set(_metadata(out))
     assert {"llama.context_length", "llama.rope.freq_base", "tokenizer.ggml.pre", "tokenizer.ggml.merges",

@@ -21,13 +21,13 @@ def export_peft_target(adapter: str, output: Path | None = None, base: str | Non
     folds into the base model.
 
     Exit codes: 0 converted; 1 not an mlx LoRA adapter, no -o, or output not empty."""
+    from rich.console import Console
     from rich.markup import escape
 
     from soup_core import console
-    from soup_core.ui import print_error
 
     def fail(message: str) -> None:
-        print_error(message)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
         raise typer.Exit(1)
 
     if output is None:

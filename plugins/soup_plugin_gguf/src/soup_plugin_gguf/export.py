@@ -35,12 +35,14 @@ class Source:
     near: Path  # where the default output goes (beside TARGET)
     base: dict[str, str] | None  # the GGUF base: {"path", "sha256"}; None for another base
     run_id: str | None = None
+    template: str | None = None  # the run's data.chat_template (a shipped name, or inline Jinja); None: the base's
 
 
 def _fail(message: str) -> NoReturn:
-    from soup_core.ui import print_error
+    from rich.console import Console
+    from rich.markup import escape
 
-    print_error(message)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
     raise typer.Exit(1)
 
 
@@ -68,17 +70,18 @@ def _source(spec: str) -> Iterator[Source]:
         target = resolve(spec)
     except TargetError as exc:
         if path.is_dir() and (path / "config.json").is_file():  # a model folder no run wrote
-            yield Source(path.resolve(), path.resolve().name, path.resolve().parent, _recorded_base(path))
+            yield Source(path.resolve(), path.resolve().name, path.resolve().parent, None)
             return
         _fail(str(exc))
     base = source_record(target.base)
     near = (target.run_dir or target.weights).parent
     label = target.label.replace("/", "-")
+    template = getattr(target.config.data, "chat_template", None)
     if target.kind == "mlx":
         _fail(f"{target.weights} was trained by the mlx backend; convert it first: soup export {spec} --to peft -o "
               f"PEFT, then soup merge PEFT -o MERGED, then soup export MERGED --to gguf")
     if target.kind == "model":
-        yield Source(target.weights, label, near, base, target.run_id)
+        yield Source(target.weights, label, near, base, target.run_id, template)
         return
     from soup_core.default_plugins.transformers import BackendError, merge_adapter
 
@@ -89,20 +92,9 @@ def _source(spec: str) -> Iterator[Source]:
             folder = merge_adapter(target.base, target.weights, tmp / "merged")
         except (BackendError, OSError, ValueError) as exc:
             _fail(f"cannot merge {target.weights} into its base {target.base}: {exc}")
-        yield Source(folder, label, near, base, target.run_id)
+        yield Source(folder, label, near, base, target.run_id, template)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _recorded_base(folder: Path) -> dict[str, str] | None:
-    """The GGUF file a dequantised base folder (Soup's cache of a GGUF base) was made from, from its record."""
-    from soup_core.default_plugins.transformers.gguf import RECORD
-
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads((folder / RECORD).read_text(encoding="utf-8"))
-        if isinstance(record, dict) and isinstance(record.get("path"), str):
-            return {"path": record["path"], "sha256": str(record.get("sha256", ""))}
-    return None
 
 
 def _base_facts(base: dict[str, str] | None) -> tuple[str | None, dict[str, str] | None]:
@@ -209,8 +201,6 @@ def run_gguf(spec: str, output: Path | None, kind: str | None) -> None:
 def run_ollama(spec: str, output: Path | None, kind: str | None) -> None:
     """``soup export TARGET --to ollama -o FOLDER``: the GGUF file, a Modelfile and the model card."""
     from soup_core import atomic_write
-    from soup_core.model_card import CARD
-
     from soup_plugin_gguf.ollama import OllamaError, modelfile
 
     if output is None:
@@ -224,14 +214,14 @@ def run_ollama(spec: str, output: Path | None, kind: str | None) -> None:
         kind = _type(kind, base_types, source.base)
         name = f"{source.label}-{kind}.gguf"
         try:
-            text = modelfile(source.folder, name)  # refused before anything is written
+            text = modelfile(source.folder, name, source.template)  # refused before anything is written
         except OllamaError as exc:
             _fail(str(exc))
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent if folder.parent.exists() else None))
         try:
             sha = _write(source, tmp / name, kind, pre, base_types)
             atomic_write(tmp / "Modelfile", text)
-            atomic_write(tmp / CARD, card(source, name, kind, sha, "\nRun it: `ollama create NAME -f Modelfile`, "
+            atomic_write(tmp / "README.md", card(source, name, kind, sha, "\nRun it: `ollama create NAME -f Modelfile`, "
                                           "then `ollama run NAME`.\n"))
             from soup_core.io import umask
 
@@ -241,4 +231,4 @@ def run_ollama(spec: str, output: Path | None, kind: str | None) -> None:
             tmp.replace(folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        _say(f"wrote {folder}: {name}, Modelfile, {CARD}; ollama create NAME -f {folder / 'Modelfile'}")
+        _say(f"wrote {folder}: {name}, Modelfile, README.md; ollama create NAME -f {folder / 'Modelfile'}")

@@ -1,9 +1,10 @@
 """An Ollama ``Modelfile`` for an exported GGUF file: ``FROM`` the file, the run's chat template in Ollama's
 template language (Go templates), and the stop tokens from the tokenizer.
 
-Only the chat templates Soup ships (``data.chat_template``: chatml, llama3, zephyr, simple) are translated: each
-is recognised by its exact text, and its translation renders the same text for a conversation (tested). Any
-other template is refused, named, before anything is written.
+Only the chat templates Soup ships (``data.chat_template``: chatml, llama3, zephyr, simple) are translated: the
+run's config names the one it trained with (the tokenizer saved beside the model carries it), and each
+translation renders the same text as the Jinja template for a conversation (tested). Any other template (the
+base's own, inline Jinja, or no run to say) is refused, named, before anything is written.
 """
 
 from __future__ import annotations
@@ -53,30 +54,22 @@ def _tokenizer_facts(folder: Path) -> tuple[str | None, str, str]:
     return template, text("eos_token"), bos
 
 
-def shipped_name(template: str | None) -> str | None:
-    """The name of the shipped chat template ``template`` is, else None."""
-    from soup_core.default_plugins.chat_templates import TEMPLATES
-
-    return next((name for name, text in TEMPLATES.items() if text == template), None)
-
-
 def go_template(name: str, eos: str, bos: str) -> str:
     """The Ollama template of the shipped template ``name``, with the tokenizer's eos/bos texts in place."""
     return GO_TEMPLATES[name][0].replace("EOS", eos).replace("BOS", bos)
 
 
-def modelfile(folder: Path, gguf_name: str) -> str:
-    """The Modelfile text for ``gguf_name`` (beside it), from the tokenizer in ``folder``."""
-    from soup_core.default_plugins.chat_templates import TEMPLATES
-
+def modelfile(folder: Path, gguf_name: str, name: str | None) -> str:
+    """The Modelfile text for ``gguf_name`` (beside it): ``name`` is the run's ``data.chat_template`` (None when
+    the run kept its base's template, or no run is known), the eos/bos texts come from the tokenizer in ``folder``."""
     template, eos, bos = _tokenizer_facts(folder)
-    name = shipped_name(template)
-    if name is None:
-        what = "has no chat template" if not template else \
-            f"has a chat template that is not one Soup ships ({template[:60]!r}...)"
-        raise OllamaError(f"{folder} {what}; --to ollama translates only {', '.join(TEMPLATES)} into Ollama's "
-                          "template language. Train with data.chat_template: chatml (or another of those), or "
-                          "export --to gguf and write the Modelfile's TEMPLATE yourself")
+    if name not in GO_TEMPLATES:
+        what = (f"was trained with an inline Jinja chat template ({name[:60]!r}...)" if name else
+                f"has a chat template that is not one Soup ships ({template[:60]!r}...)" if template else "has no chat template")
+        raise OllamaError(f"{folder} {what}; --to ollama translates only the templates Soup ships "
+                          f"({', '.join(GO_TEMPLATES)}) into Ollama's template language. Train with "
+                          "data.chat_template: chatml (or another of those), or export --to gguf and write the "
+                          "Modelfile's TEMPLATE yourself")
     stops = list(dict.fromkeys(s for s in (GO_TEMPLATES[name][1].replace("EOS", eos), eos) if s))
     lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{go_template(name, eos, bos)}"""',
              *(f"PARAMETER stop {json.dumps(s)}" for s in stops)]
