@@ -10,9 +10,9 @@ from pathlib import Path
 
 import typer
 
-EXPORT_HELP = ("peft: an mlx LoRA adapter (the folder a backend: mlx run wrote, or a checkpoint-N folder) as a "
-               "PEFT adapter that transformers, peft and soup merge load; -o FOLDER (new or empty), --base to "
-               "record another base than the adapter's")
+EXPORT_HELP = ("peft: an mlx LoRA adapter (the folder a backend: mlx run wrote, or a checkpoint-N folder) "
+               "as a PEFT adapter that transformers, peft and soup merge load; -o FOLDER (new or empty), "
+               "--base to record another base than the adapter's")
 
 
 def export_peft_target(adapter: str, output: Path | None = None, base: str | None = None) -> None:

@@ -221,8 +221,8 @@ def run_ollama(spec: str, output: Path | None, kind: str | None) -> None:
         try:
             sha = _write(source, tmp / name, kind, pre, base_types)
             atomic_write(tmp / "Modelfile", text)
-            atomic_write(tmp / "README.md", card(source, name, kind, sha, "\nRun it: `ollama create NAME -f Modelfile`, "
-                                          "then `ollama run NAME`.\n"))
+            run_it = "\nRun it: `ollama create NAME -f Modelfile`, then `ollama run NAME`.\n"
+            atomic_write(tmp / "README.md", card(source, name, kind, sha, run_it))
             from soup_core.io import umask
 
             tmp.chmod(0o777 & ~umask())

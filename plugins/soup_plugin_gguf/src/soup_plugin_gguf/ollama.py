@@ -65,7 +65,8 @@ def modelfile(folder: Path, gguf_name: str, name: str | None) -> str:
     template, eos, bos = _tokenizer_facts(folder)
     if name not in GO_TEMPLATES:
         what = (f"was trained with an inline Jinja chat template ({name[:60]!r}...)" if name else
-                f"has a chat template that is not one Soup ships ({template[:60]!r}...)" if template else "has no chat template")
+                f"has a chat template that is not one Soup ships ({template[:60]!r}...)" if template else
+                "has no chat template")
         raise OllamaError(f"{folder} {what}; --to ollama translates only the templates Soup ships "
                           f"({', '.join(GO_TEMPLATES)}) into Ollama's template language. Train with "
                           "data.chat_template: chatml (or another of those), or export --to gguf and write the "
