@@ -4,6 +4,7 @@ generates greedily the tokens ``soup generate`` generates. Skipped without llm-s
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ PROMPTS = ["What is the capital of France?", "Name a primary colour.", "What is 
            "What colour is the sky?", "Spell the word cat."]
 
 
+@functools.cache
 def _metadata(path: Path) -> dict[str, Any]:
     import gguf
 

@@ -29,6 +29,12 @@ def export(
     targets = load_plugins().export_targets
     if to not in targets:
         print_error(f"--to {to}: unknown format; choose one of: {', '.join(targets) or 'none installed'}")
+        from rich.markup import escape
+
+        from soup_core.ui import err_console
+
+        for name, known in targets.items():  # what each installed format writes, from its plugin
+            err_console.print(escape(f"  --to {name} ({targets.owner(name)} plugin): {known.help.split(': ', 1)[-1]}"))
         raise typer.Exit(1)
     chosen = targets[to]
     given = {k: v for k, v in {"output": output, "type": type_, "base": base}.items() if v is not None}
