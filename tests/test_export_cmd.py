@@ -57,4 +57,5 @@ def test_two_plugins_cannot_register_one_format() -> None:
     plugins = isolated_plugins(("demo", _plugin([])), ("other", _plugin([])))
     assert list(plugins.export_targets) == ["demo"] and plugins.export_targets.owner("demo") == "demo"
     assert plugins.plugins["other"].status == "failed"
-    assert "export target 'demo' is provided by both plugin 'demo' and plugin 'other'" in plugins.plugins["other"].reason
+    reason = plugins.plugins["other"].reason
+    assert "export target 'demo' is provided by both plugin 'demo' and plugin 'other'" in reason
