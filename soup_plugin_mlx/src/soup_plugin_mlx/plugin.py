@@ -1,5 +1,5 @@
 """The ``mlx`` plugin: registers the MLX backend, its (mlx, sft) support row, its probes, its pre-flight check
-of the base, the model loader for ``backend: mlx`` and ``soup export``.
+of the base, the model loader for ``backend: mlx`` and ``soup export``'s ``--to peft``.
 
 Registration is cheap (docs/architecture.md): nothing here imports mlx, mlx-lm or transformers.
 """
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from soup_core import Command, LoadedModel, PreflightReport, Probe, Support, hookimpl
+from soup_core import LoadedModel, PreflightReport, Probe, Support, hookimpl
+from soup_core.contracts import ExportTarget
 from soup_plugin_mlx.backend import MLXBackend
 from soup_plugin_mlx.probes import device_computes, installed
 from soup_plugin_mlx.support import HONOURED_FIELDS, REFUSED_REASONS
@@ -48,10 +49,10 @@ def soup_register_probes() -> list[Probe]:
 
 
 @hookimpl
-def soup_register_commands() -> list[Command]:
-    from soup_plugin_mlx.cli import EXPORT_HELP, export
+def soup_register_export_targets() -> list[ExportTarget]:
+    from soup_plugin_mlx.cli import EXPORT_HELP, export_peft_target
 
-    return [Command(name="export", target=export, help=EXPORT_HELP)]
+    return [ExportTarget(name="peft", run=export_peft_target, help=EXPORT_HELP, options=("output", "base"))]
 
 
 @hookimpl

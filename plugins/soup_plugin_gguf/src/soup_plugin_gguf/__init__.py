@@ -1,0 +1,1 @@
+"""soup-plugin-gguf: ``soup export TARGET --to gguf`` and ``--to ollama``."""
