@@ -21,6 +21,7 @@ import re
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,25 @@ class RowStat:
 
 
 @dataclass
+class Sightings:
+    """Every measured sighting of a row (an entry with supervised tokens and a finite loss), in step order:
+    what ``soup rewind --rows`` ranks rows from. Four flat arrays, one item per sighting, so a million
+    micro-batches cost a few bytes per row entry and no Python object per entry."""
+
+    row: array = field(default_factory=lambda: array("q"))
+    loss: array = field(default_factory=lambda: array("d"))
+    tokens: array = field(default_factory=lambda: array("q"))
+    step: array = field(default_factory=lambda: array("q"))
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def keep(self, keep: Sequence[int]) -> Sightings:
+        """The sightings at the indices ``keep``, in that order."""
+        return Sightings(*(_take(a, list(keep)) for a in (self.row, self.loss, self.tokens, self.step)))
+
+
+@dataclass
 class LogFile:
     """One file of a log (one rank): its header and where each step's lines lie."""
 
@@ -134,6 +154,8 @@ class LogFile:
     totals: tuple[array, array, bytearray] | None = field(default=None, repr=False)
     #: the spike guard's actions (``{"kind": "guard", "step", "action", "rows"}``), in step order
     guards: list[dict[str, Any]] = field(default_factory=list)
+    #: every measured row sighting, when the scan was asked for them (``rows=True``)
+    sightings: Sightings | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -152,6 +174,8 @@ class RewindLog:
     nonfinite: bytearray  # per step: 1 when some row with tokens had a non-finite loss
     skipped: SkipCounts
     notes: list[str] = field(default_factory=list)  # rank files left out, and why
+    #: every rank's measured row sightings in step order (``read_log(..., rows=True)``), else None
+    sightings: Sightings | None = field(default=None, repr=False)
 
     @property
     def header(self) -> dict[str, Any]:
@@ -314,8 +338,9 @@ def _parse_header(line: bytes, path: Path) -> dict[str, Any]:
     return obj
 
 
-def scan_file(path: str | os.PathLike[str]) -> LogFile:
-    """One pass over one file: the header, per-step totals and byte ranges, skipped-line counts.
+def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFile:
+    """One pass over one file: the header, per-step totals and byte ranges, skipped-line counts; with
+    ``sightings``, every measured row sighting too (:class:`Sightings`, for ``soup rewind --rows``).
 
     The per-step totals ride on the :class:`LogFile` (``totals``) until :func:`read_log` merges them.
     Raises :class:`LogError` for a file that cannot be read or is not a rewind log.
@@ -333,6 +358,7 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
     run_ids: list[str] = []
     guards: list[dict[str, Any]] = []
     n_batches = 0
+    sight = Sightings() if sightings else None
     cur = -1  # the step of the last entry
     ordered = True
     off = 0
@@ -421,6 +447,8 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
                         skipped.corrupt += 1
                         continue
                     n_batches += 1
+                    if sight is not None:
+                        _add_sightings(sight, step, rows, losses, toks, bad)
                     if step == cur:
                         loss_sum[-1] += s_loss
                         tokens[-1] += s_tok
@@ -453,6 +481,8 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
                         )
                     cur = steps[-1] if steps else -1
                     guards = [g for g in guards if g["step"] <= from_step]
+                    if sight is not None and sight.step and max(sight.step) > from_step:
+                        sight = sight.keep([i for i, s in enumerate(sight.step) if s <= from_step])
                 elif kind == "guard" and type(obj.get("step")) is int:
                     guards.append(obj)
                 elif kind == "header":
@@ -468,10 +498,28 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
         steps, loss_sum, tokens, nonfinite, first_off, end_off = _sort_merge(
             steps, loss_sum, tokens, nonfinite, first_off, end_off
         )
+        if sight is not None:
+            sight = sight.keep(sorted(range(len(sight)), key=sight.step.__getitem__))  # stable: file order kept
     return LogFile(
         path, header, steps, first_off, end_off, skipped, n_batches, resumes, run_ids, (loss_sum, tokens, nonfinite),
-        guards,
+        guards, sight,
     )
+
+
+def _add_sightings(sight: Sightings, step: int, rows: list[int], losses: list[Any], toks: list[int], bad: int) -> None:
+    """A validated batch line's measured entries (supervised tokens, a finite loss) into ``sight``."""
+    if not bad and 0 not in toks:  # the usual line: every entry is a measurement, copied in C
+        sight.row.extend(rows)
+        sight.loss.extend(losses)
+        sight.tokens.extend(toks)
+        sight.step.extend(repeat(step, len(rows)))
+        return
+    for r, loss, t in zip(rows, losses, toks, strict=False):
+        if t and loss is not None and loss - loss == 0.0:
+            sight.row.append(r)
+            sight.loss.append(loss)
+            sight.tokens.append(t)
+            sight.step.append(step)
 
 
 def _take(a: Any, keep: list[int]) -> Any:
@@ -512,19 +560,20 @@ def _same_run(primary: LogFile, other: LogFile) -> str | None:
     return None
 
 
-def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> RewindLog:
+def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, sightings: bool = False) -> RewindLog:
     """Read a rewind log: one file, or the files of a distributed run (see :func:`log_set`), merged.
+    ``sightings``: keep every measured row sighting too (``RewindLog.sightings``, for ``soup rewind --rows``).
 
     A ``rewind.jsonl`` path brings in its ``rewind.rank<N>.jsonl`` siblings. Raises :class:`LogError`
     when the first file is not a readable log; a sibling that is not is left out with a note.
     """
     paths = log_set(path) if isinstance(path, (str, os.PathLike)) else [Path(p) for p in path]
-    primary = scan_file(paths[0])
+    primary = scan_file(paths[0], sightings=sightings)
     files = [primary]
     notes: list[str] = []
     for other_path in paths[1:]:
         try:
-            other = scan_file(other_path)
+            other = scan_file(other_path, sightings=sightings)
         except LogError as exc:
             notes.append(f"left out {other_path.name}: {exc}")
             continue
@@ -544,7 +593,23 @@ def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
         steps, loss_sum, tokens, nonfinite = _merge_files(files)
     for f in files:
         f.totals = None
-    return RewindLog(files, steps, loss_sum, tokens, nonfinite, skipped, notes)
+    sight = _merge_sightings(files) if sightings else None
+    return RewindLog(files, steps, loss_sum, tokens, nonfinite, skipped, notes, sight)
+
+
+def _merge_sightings(files: list[LogFile]) -> Sightings:
+    """Every rank's sightings in one step order (each file's are; a stable sort keeps rank order in a step)."""
+    parts = [f.sightings for f in files if f.sightings is not None]
+    for f in files:
+        f.sightings = None
+    if len(parts) == 1:
+        return parts[0]
+    merged = Sightings()
+    for part in parts:
+        for mine, theirs in zip((merged.row, merged.loss, merged.tokens, merged.step),
+                                (part.row, part.loss, part.tokens, part.step), strict=True):
+            mine.extend(theirs)
+    return merged.keep(sorted(range(len(merged)), key=merged.step.__getitem__))
 
 
 def _merge_files(files: list[LogFile]) -> tuple[array, array, array, bytearray]:
