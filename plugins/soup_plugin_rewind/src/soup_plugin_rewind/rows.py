@@ -20,10 +20,14 @@ by: they are counted, not ranked.
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import and_, eq, ge, mul, ne, sub, truediv
 
 from soup_plugin_rewind.logfile import RewindLog, Sightings
 
@@ -65,11 +69,27 @@ class RowView:
 
 
 def row_view(log: RewindLog, top: int = 10) -> RowView:
-    """Rank the rows of ``log`` (read with ``sightings=True``) by drift; see the module's docstring."""
+    """Rank the rows of ``log`` (read with ``sightings=True``) by drift; see the module's docstring.
+
+    Done in C-level passes (``map`` over arrays) where every step has peers and a finite loss; a log with a
+    row alone in its step, a non-finite step or a zero loss takes :func:`row_view_reference`, the same
+    arithmetic one row at a time (the tests hold the two to equal results)."""
     sight = log.sightings
     if sight is None:
         raise ValueError("the log was read without its row sightings: read_log(path, sightings=True)")
-    first, last = _first_last(sight)
+    first, last = _first_last(sight, log.header.get("n_rows"))
+    fast = _fast_view(log, sight, first, last, top)
+    return fast if fast is not None else row_view_reference(log, top, first, last)
+
+
+def row_view_reference(log: RewindLog, top: int = 10, first: array | None = None,
+                       last: array | None = None) -> RowView:
+    """:func:`row_view`, one row at a time in plain Python."""
+    sight = log.sightings
+    if sight is None:
+        raise ValueError("the log was read without its row sightings: read_log(path, sightings=True)")
+    if first is None or last is None:
+        first, last = _first_last(sight, None)
     peers = _Peers(log)
     judged: list[RowDrift] = []
     seen_once = no_peers = seen = 0
@@ -95,16 +115,100 @@ def row_view(log: RewindLog, top: int = 10) -> RowView:
     return RowView(judged[:top], n_flagged, len(judged), seen_once, no_peers, seen)
 
 
-def _first_last(sight: Sightings) -> tuple[array, array]:
-    """Per row (by index), the index of its first and of its last sighting (-1: never seen). Sightings are in
-    step order, so the last write of a row's index wins: a scatter done in C (``map`` over ``__setitem__``),
-    forwards for the last sighting, backwards for the first."""
-    n_rows = max(sight.row) + 1 if len(sight) else 0
-    first, last = array("q", [-1]) * n_rows, array("q", [-1]) * n_rows
+def _fast_view(log: RewindLog, sight: Sightings, first: array, last: array, top: int) -> RowView | None:
+    """:func:`row_view_reference`'s result from whole columns; None where a column holds a case it leaves to
+    the reference (a row alone in its step, a non-finite step, a loss or peers' loss below ``_TINY``)."""
+    if any(log.nonfinite):
+        return None
+    steps = log.steps
+    dense = len(steps) and steps[0] == 1 and steps[-1] == len(steps)  # steps 1..n: a step is its own index
+    if not dense:
+        return None
+    step_sum = [0.0, *log.loss_sum]
+    step_tok = [0, *log.tokens]
+    n_alloc = len(last)
+    rows_seen: Iterable[int]
+    if -1 in last:
+        rows_seen = list(compress(range(n_alloc), map(ge, last, repeat(0))))
+        ia = array("q", map(first.__getitem__, rows_seen))
+        ib = array("q", map(last.__getitem__, rows_seen))
+    else:
+        rows_seen, ia, ib = range(n_alloc), first, last
+    seen = len(ia)
+    sa = array("Q", map(sight.step.__getitem__, ia))
+    sb = array("Q", map(sight.step.__getitem__, ib))
+    once = sum(map(eq, sa, sb))
+    if once:
+        keep = list(map(ne, sa, sb))
+        rows_seen = list(compress(rows_seen, keep))
+        ia, ib = array("q", compress(ia, keep)), array("q", compress(ib, keep))
+        sa, sb = array("Q", compress(sa, keep)), array("Q", compress(sb, keep))
+    if not len(ia):
+        return RowView([], 0, 0, once, 0, seen)
+    xa = array("d", map(sight.loss.__getitem__, ia))
+    xb = array("d", map(sight.loss.__getitem__, ib))
+    try:
+        pa = _peers(sa, xa, array("Q", map(sight.tokens.__getitem__, ia)), step_sum, step_tok)
+        pb = _peers(sb, xb, array("Q", map(sight.tokens.__getitem__, ib)), step_sum, step_tok)
+    except ZeroDivisionError:  # a row alone in its step: its peers are the nearest steps (the reference)
+        return None
+    if min(pa) < _TINY or min(pb) < _TINY or min(xa) < _TINY:
+        return None  # the floors of the reference's formula apply
+    drift = array("d", map(truediv, map(mul, xb, pa), map(mul, pb, xa)))
+    over = array("d", map(sub, xb, pb))
+    flags = list(map(and_, map(ge, drift, repeat(DRIFT_FACTOR)), map(ge, over, repeat(DRIFT_FLOOR))))
+    flagged = [i for i in compress(range(len(flags)), flags)]
+    row_at = rows_seen.__getitem__
+    order = sorted(flagged, key=lambda i: (-drift[i], row_at(i)))
+    if len(order) < top:
+        # the unflagged rows with the highest drift, ties by row (nlargest is stable: first index first)
+        rest = heapq.nlargest(top - len(order) + len(flagged), range(len(drift)), key=drift.__getitem__)
+        rest = sorted((i for i in rest if not flags[i]), key=lambda i: (-drift[i], row_at(i)))
+        order += rest[: top - len(order)]
+    ranked = [RowDrift(row_at(i), sa[i], xa[i], pa[i], sb[i], xb[i], pb[i], drift[i], bool(flags[i]))
+              for i in order[:top]]
+    return RowView(ranked, len(flagged), len(drift), once, 0, seen)
+
+
+def _peers(st: array, x: array, k: array, step_sum: list[float], step_tok: list[int]) -> array:
+    """(step's loss sum - the row's) / (step's tokens - the row's), for each sighting; ZeroDivisionError when a
+    row is alone in its step."""
+    rest_sum = map(sub, map(step_sum.__getitem__, st), map(mul, x, k))
+    return array("d", map(truediv, rest_sum, map(sub, map(step_tok.__getitem__, st), k)))
+
+
+def _first_last(sight: Sightings, n_rows: object) -> tuple[array, array]:
+    """Per row (by index), the index of its first and of its last sighting (-1: never seen).
+
+    Sightings are in step order, so where each index is written in turn the last write wins: a scatter done
+    in C (``map`` over ``__setitem__``), backwards from the end for the last sighting, forwards from the start
+    for the first. Each runs over a window that doubles until it holds every one of the header's ``n_rows``
+    (then no sighting outside it can be a first or a last; in a run of several epochs, about one epoch at
+    each end), or over the whole log."""
     n = len(sight)
-    deque(map(last.__setitem__, sight.row, range(n)), 0)
-    deque(map(first.__setitem__, reversed(sight.row), range(n - 1, -1, -1)), 0)
-    return first, last
+    n_alloc = max(sight.row) + 1 if n else 0
+    want = n_rows if type(n_rows) is int and n_rows == n_alloc else None
+    return _scatter(sight.row, n_alloc, want, first=True), _scatter(sight.row, n_alloc, want, first=False)
+
+
+def _scatter(rows: array, n_alloc: int, want: int | None, *, first: bool) -> array:
+    n = len(rows)
+    out = array("q", [-1]) * n_alloc
+    done = 0  # sightings already scattered, counted from the end the scatter starts at
+    span = min(n, want or n)
+    while True:
+        part = array("q", [-1]) * n_alloc if done else out
+        if first:  # earliest wins: write the window backwards
+            deque(map(part.__setitem__, reversed(rows[done:span]), range(span - 1, done - 1, -1)), 0)
+        else:  # latest wins: write the window forwards
+            deque(map(part.__setitem__, rows[n - span:n - done], range(n - span, n - done)), 0)
+        if done:  # the new window lies beyond the old one: what the old one found stands
+            out = array("q", map(max, out, part)) if not first else array(
+                "q", map(lambda a, b: a if a >= 0 else b, out, part))
+        done = span
+        if span >= n or (want is not None and -1 not in out):
+            return out
+        span = min(n, 2 * span)
 
 
 class _Peers:
