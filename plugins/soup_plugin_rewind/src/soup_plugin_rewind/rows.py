@@ -20,14 +20,13 @@ by: they are counted, not ranked.
 
 from __future__ import annotations
 
-import heapq
 import math
 from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import and_, eq, ge, mul, ne, sub, truediv
+from operator import eq, ge, mul, ne, sub, truediv
 
 from soup_plugin_rewind.logfile import RewindLog, Sightings
 
@@ -156,16 +155,21 @@ def _fast_view(log: RewindLog, sight: Sightings, first: array, last: array, top:
         return None  # the floors of the reference's formula apply
     drift = array("d", map(truediv, map(mul, xb, pa), map(mul, pb, xa)))
     over = array("d", map(sub, xb, pb))
-    flags = list(map(and_, map(ge, drift, repeat(DRIFT_FACTOR)), map(ge, over, repeat(DRIFT_FLOOR))))
-    flagged = [i for i in compress(range(len(flags)), flags)]
+    # the floor first: few rows end a nat over their peers, and only those can be flagged
+    flagged = {i for i in compress(range(len(over)), map(ge, over, repeat(DRIFT_FLOOR))) if drift[i] >= DRIFT_FACTOR}
     row_at = rows_seen.__getitem__
     order = sorted(flagged, key=lambda i: (-drift[i], row_at(i)))
     if len(order) < top:
-        # the unflagged rows with the highest drift, ties by row (nlargest is stable: first index first)
-        rest = heapq.nlargest(top - len(order) + len(flagged), range(len(drift)), key=drift.__getitem__)
-        rest = sorted((i for i in rest if not flags[i]), key=lambda i: (-drift[i], row_at(i)))
+        # the unflagged rows with the highest drift, ties by row. The (top + flagged)-th highest drift of every
+        # 64th row is at most that of all rows: every row at or over it holds the top ones, ties at the cut
+        # included, and is a few hundred rows to sort instead of all of them
+        need = top + len(flagged)
+        sample = sorted(drift[::64])
+        cut = sample[len(sample) - need] if len(sample) >= need else -math.inf
+        rest = [i for i in compress(range(len(drift)), map(ge, drift, repeat(cut))) if i not in flagged]
+        rest.sort(key=lambda i: (-drift[i], row_at(i)))
         order += rest[: top - len(order)]
-    ranked = [RowDrift(row_at(i), sa[i], xa[i], pa[i], sb[i], xb[i], pb[i], drift[i], bool(flags[i]))
+    ranked = [RowDrift(row_at(i), sa[i], xa[i], pa[i], sb[i], xb[i], pb[i], drift[i], i in flagged)
               for i in order[:top]]
     return RowView(ranked, len(flagged), len(drift), once, 0, seen)
 
@@ -185,10 +189,13 @@ def _first_last(sight: Sightings, n_rows: object) -> tuple[array, array]:
     for the first. Each runs over a window that doubles until it holds every one of the header's ``n_rows``
     (then no sighting outside it can be a first or a last; in a run of several epochs, about one epoch at
     each end), or over the whole log."""
-    n = len(sight)
-    n_alloc = max(sight.row) + 1 if n else 0
-    want = n_rows if type(n_rows) is int and n_rows == n_alloc else None
-    return _scatter(sight.row, n_alloc, want, first=True), _scatter(sight.row, n_alloc, want, first=False)
+    if type(n_rows) is int and n_rows > 0:
+        try:
+            return _scatter(sight.row, n_rows, n_rows, first=True), _scatter(sight.row, n_rows, n_rows, first=False)
+        except IndexError:  # a row past the header's count: size the arrays by the rows themselves
+            pass
+    n_alloc = max(sight.row) + 1 if len(sight) else 0
+    return _scatter(sight.row, n_alloc, None, first=True), _scatter(sight.row, n_alloc, None, first=False)
 
 
 def _scatter(rows: array, n_alloc: int, want: int | None, *, first: bool) -> array:
