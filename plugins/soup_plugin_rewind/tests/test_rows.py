@@ -142,3 +142,47 @@ def test_the_rows_command_prints_and_writes_the_ranking(tmp_path: Path, rewind_c
     assert doc["flagged"] == 1 and doc["rule"] == {"drift_factor": DRIFT_FACTOR, "floor_nats": DRIFT_FLOOR}
     refused = rewind_cli([log_path, "--rows", "--step", "2"], cwd=tmp_path)
     assert refused.exit_code == 2 and "--rows ranks rows over the whole run" in refused.output
+
+
+def test_the_column_passes_equal_the_row_by_row_reference_on_a_multi_epoch_log(tmp_path: Path) -> None:
+    from soup_plugin_rewind.rows import _fast_view, _first_last, row_view_reference
+    from soup_plugin_rewind.synth import generate_log
+
+    path = generate_log(tmp_path / "rewind.jsonl", 3000, seed=1, n_rows=6000, spike_every=700)  # 4 epochs
+    log = read_log(path, sightings=True)
+    first, last = _first_last(log.sightings, log.header["n_rows"])
+    fast = _fast_view(log, log.sightings, first, last, 25)
+    assert fast is not None  # the control: the column path did run
+    assert fast == row_view_reference(log, 25) and fast == row_view(log, 25)
+    assert (fast.judged, fast.seen_once) == (6000, 0)
+    # the windowed scatter found the same first and last sightings as a scatter over the whole log
+    assert (first, last) == _first_last(log.sightings, None)
+    # the spiking rows are rows seen 4 times whose one bad sighting is their last or first: a few flagged
+    assert [d.row for d in fast.ranked if d.flagged] == [d.row for d in row_view_reference(log, 25).ranked if d.flagged]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_the_block_reader_totals_exactly_what_the_line_by_line_reader_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_accum: int
+) -> None:
+    import soup_plugin_rewind.logfile as logfile
+    from soup_plugin_rewind.synth import generate_log
+
+    path = generate_log(tmp_path / "rewind.jsonl", 4000, seed=2, grad_accum=grad_accum, n_rows=5000)
+    blocks = []
+    real = logfile._fast_block
+
+    def counting(*args: Any) -> Any:
+        got = real(*args)
+        blocks.append(got is not None)
+        return got
+
+    monkeypatch.setattr(logfile, "_fast_block", counting)
+    fast = read_log(path, sightings=True)
+    assert sum(blocks) > 10  # the control: blocks were totalled whole
+    monkeypatch.setattr(logfile, "_fast_block", lambda *args: None)
+    slow = read_log(path, sightings=True)
+    for name in ("steps", "loss_sum", "tokens", "nonfinite"):
+        assert getattr(fast, name) == getattr(slow, name), name
+    assert (fast.files[0].first_off, fast.files[0].end_off) == (slow.files[0].first_off, slow.files[0].end_off)
+    assert fast.sightings == slow.sightings and fast.n_batches == slow.n_batches == 4000
