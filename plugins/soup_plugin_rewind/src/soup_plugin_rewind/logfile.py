@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
-from operator import itemgetter, mul, sub
+from operator import itemgetter, mul, sub, truediv
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,13 @@ class RewindLog:
         if self.nonfinite[index]:
             return math.nan
         return self.loss_sum[index] / toks
+
+    def step_losses(self) -> list[float | None]:
+        """Every step's :meth:`step_loss`, in step order (one C-level division over the columns when every step
+        has tokens and a finite loss, the usual log)."""
+        if not any(self.nonfinite) and (not self.tokens or min(self.tokens) > 0):
+            return list(map(truediv, self.loss_sum, self.tokens))
+        return [self.step_loss(i) for i in range(len(self.steps))]
 
     def index_of(self, step: int) -> int | None:
         i = bisect.bisect_left(self.steps, step)
