@@ -187,7 +187,7 @@ def run_report(
         return
 
     # ---- spikes, and which step to detail
-    losses = log.step_losses()
+    losses = list(log.step_losses())
     spikes = analysis.find_spikes(log.steps, losses)
     detail = step if step is not None else (spikes[0].step if spikes else None)
     if step is not None and log.index_of(step) is None:

@@ -19,7 +19,7 @@ import math
 import os
 import re
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
 from operator import itemgetter, mul, sub, truediv
@@ -215,12 +215,12 @@ class RewindLog:
             return math.nan
         return self.loss_sum[index] / toks
 
-    def step_losses(self) -> list[float | None]:
-        """Every step's :meth:`step_loss`, in step order (one C-level division over the columns when every step
-        has tokens and a finite loss, the usual log)."""
+    def step_losses(self) -> Iterator[float | None]:
+        """Every step's :meth:`step_loss`, in step order, one at a time (a list of a million steps' losses
+        would be 32 MB); a C-level division over the columns when every step has tokens and a finite loss."""
         if not any(self.nonfinite) and (not self.tokens or min(self.tokens) > 0):
-            return list(map(truediv, self.loss_sum, self.tokens))
-        return [self.step_loss(i) for i in range(len(self.steps))]
+            return map(truediv, self.loss_sum, self.tokens)
+        return (self.step_loss(i) for i in range(len(self.steps)))
 
     def index_of(self, step: int) -> int | None:
         i = bisect.bisect_left(self.steps, step)
