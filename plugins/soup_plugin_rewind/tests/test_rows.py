@@ -165,24 +165,33 @@ def test_the_column_passes_equal_the_row_by_row_reference_on_a_multi_epoch_log(t
 def test_the_block_reader_totals_exactly_what_the_line_by_line_reader_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_accum: int
 ) -> None:
-    import soup_plugin_rewind.logfile as logfile
+    import soup_plugin_rewind.blocks as block_reader
     from soup_plugin_rewind.synth import generate_log
 
     path = generate_log(tmp_path / "rewind.jsonl", 4000, seed=2, grad_accum=grad_accum, n_rows=5000)
     blocks = []
-    real = logfile._fast_block
+    real = block_reader.fast_block
 
     def counting(*args: Any) -> Any:
         got = real(*args)
         blocks.append(got is not None)
         return got
 
-    monkeypatch.setattr(logfile, "_fast_block", counting)
+    monkeypatch.setattr(block_reader, "fast_block", counting)
     fast = read_log(path, sightings=True)
     assert sum(blocks) > 10  # the control: blocks were totalled whole
-    monkeypatch.setattr(logfile, "_fast_block", lambda *args: None)
+    monkeypatch.setattr(block_reader, "fast_block", lambda *args: None)
     slow = read_log(path, sightings=True)
     for name in ("steps", "loss_sum", "tokens", "nonfinite"):
         assert getattr(fast, name) == getattr(slow, name), name
     assert (fast.files[0].first_off, fast.files[0].end_off) == (slow.files[0].first_off, slow.files[0].end_off)
     assert fast.sightings == slow.sightings and fast.n_batches == slow.n_batches == 4000
+
+
+def test_a_bare_carriage_return_splits_no_line(tmp_path: Path) -> None:
+    # the block reader cuts lines at b"\n" only, as iterating the file does: one corrupt line, not two
+    path = write_log(tmp_path / "rewind.jsonl", _entries({1: [(0, 1.0)], 2: [(1, 2.0)]}))
+    with open(path, "ab") as fh:
+        fh.write(b'{"kind": "batch", "st\rep": 3}\n')
+    log = read_log(path)
+    assert (log.skipped.corrupt, log.skipped.truncated, list(log.steps)) == (1, 0, [1, 2])
