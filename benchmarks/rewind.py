@@ -14,9 +14,15 @@
    ranking of the worst spike, as ``soup rewind`` does) against merely ``json.loads`` on every line.
    Goal: <= 2x the time, < 200 MB peak RSS (the subprocess's ``ru_maxrss``, interpreter included).
    ``soup rewind LOG --no-preview`` through the CLI is timed once too, for reference.
+3. Against the original tool (issue 34): a generated log of 200,000 micro-batches of 8 rows over 3 epochs
+   (the default ``training.epochs``: 533,334 rows, each seen 3 times). In a fresh subprocess each, interleaved:
+   the original's reader (soup-cli 0.77.0's ``read_rewind_log``, ``find_spikes`` and ``rank_rows`` of the
+   worst spike, run by its own interpreter, ``--original PY``), ours doing the same, and ours with the row view
+   (``read_log(..., sightings=True)`` and ``row_view``: what ``soup rewind --rows`` computes). Goal: the row
+   view's reader at most 0.30x the original's time (process CPU time; wall-clock beside it).
 
 Usage: python benchmarks/rewind.py [--rounds 6] [--steps 15] [--reader-pairs 5] [--micro-batches 1000000]
-       [--skip-recorder] [--skip-reader] [--record]
+       [--original PY] [--original-pairs 5] [--skip-recorder] [--skip-reader] [--skip-original] [--record]
 """
 
 from __future__ import annotations
@@ -250,6 +256,38 @@ print(json.dumps({"seconds": seconds, "cpu": cpu, "batches": log.n_batches, "ste
 """
 )
 
+_ORIGINAL = (
+    _PEAK
+    + """
+import json, sys, time
+start, cpu = time.perf_counter(), time.process_time()
+from soup_cli.monitoring.rewind_log import read_rewind_log
+from soup_cli.utils.rewind import find_spikes, rank_rows
+run = read_rewind_log(sys.argv[1])
+spikes = find_spikes(run)
+top = rank_rows(run, spikes[0].step)[:10] if spikes else []
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"seconds": seconds, "cpu": cpu, "batches": len(run.batches), "spikes": len(spikes),
+                  "worst_top_row": top[0].row if top else None, "rss_kb": peak_kb()}))
+"""
+)
+
+_ROWS = (
+    _PEAK
+    + """
+import json, sys, time
+start, cpu = time.perf_counter(), time.process_time()
+from soup_plugin_rewind import read_log
+from soup_plugin_rewind.rows import row_view
+log = read_log(sys.argv[1], sightings=True)
+view = row_view(log, 10)
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+print(json.dumps({"seconds": seconds, "cpu": cpu, "batches": log.n_batches, "rows_ranked": view.judged,
+                  "flagged": view.flagged, "top_row": view.ranked[0].row if view.ranked else None,
+                  "rss_kb": peak_kb()}))
+"""
+)
+
 _CLI = (
     _PEAK
     + """
@@ -278,10 +316,12 @@ print(json.dumps({"rss_kb": peak_kb()}))
 )
 
 
-def _run(snippet: str, *args: str, stream: str = "stdout") -> dict[str, Any]:
+def _run(snippet: str, *args: str, stream: str = "stdout", python: str = sys.executable) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env["SOUP_HOME"] = env.get("SOUP_HOME") or tempfile.mkdtemp(prefix="soup-bench-home-")
-    proc = subprocess.run([sys.executable, "-c", snippet, *args], capture_output=True, text=True, env=env, check=False)
+    if python != sys.executable:  # the original's own environment: none of ours on its path
+        env.pop("PYTHONPATH")
+    proc = subprocess.run([python, "-c", snippet, *args], capture_output=True, text=True, env=env, check=False)
     text = proc.stdout if stream == "stdout" else proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark subprocess failed: {proc.stderr[-2000:]}")
@@ -351,6 +391,59 @@ def reader(pairs: int, n_micro: int) -> dict[str, Any]:
     }
 
 
+def against_original(pairs: int, n_micro: int, python: str, epochs: int = 3) -> dict[str, Any]:
+    """The original's reader, ours, and ours with the row view, on one log, in interleaved fresh processes."""
+    from soup_plugin_rewind.synth import generate_log
+
+    batch = 8
+    n_rows = -(-n_micro * batch // epochs)
+    with tempfile.TemporaryDirectory(prefix="soup-bench-rewind-orig-") as tmp:
+        path = Path(tmp) / "rewind.jsonl"
+        generate_log(path, n_micro, seed=0, batch_size=batch, n_rows=n_rows)
+        size = path.stat().st_size
+        say(f"original: {n_micro:,} micro-batches, {n_rows:,} rows x {epochs} epochs ({size / 1e6:.0f} MB)")
+        arms = {"original": (_ORIGINAL, python), "soup": (_READER, sys.executable),
+                "soup_rows": (_ROWS, sys.executable)}
+        _run(_BASELINE, str(path))  # warm the page cache
+        got: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+        for i in range(pairs):
+            names = list(arms) if i % 2 == 0 else list(reversed(arms))
+            for name in names:
+                snippet, exe = arms[name]
+                got[name].append(_run(snippet, str(path), python=exe))
+            say(f"original pair {i + 1}/{pairs}: " + ", ".join(
+                f"{n} {got[n][-1]['cpu']:.2f} s cpu ({got[n][-1]['seconds']:.2f} wall)" for n in arms))
+    if any(r["batches"] != n_micro for arm in got.values() for r in arm):
+        raise RuntimeError("an arm did not read every micro-batch")
+
+    def ratios(arm: str, key: str) -> list[float]:
+        return [a[key] / o[key] for a, o in zip(got[arm], got["original"], strict=True)]
+
+    out: dict[str, Any] = {
+        "micro_batches": n_micro, "batch": batch, "rows": n_rows, "epochs": epochs, "log_mb": round(size / 1e6, 1),
+        "pairs": pairs, "original": f"soup-cli 0.77.0 ({python})",
+    }
+    for arm in ("soup", "soup_rows"):
+        cpu, wall = ratios(arm, "cpu"), ratios(arm, "seconds")
+        out[arm] = {
+            "median_ratio_by_cpu_time": round(statistics.median(cpu), 3),
+            "median_ratio_wall": round(statistics.median(wall), 3),
+            "pair_ratios_by_cpu_time": [round(x, 3) for x in cpu],
+            "pair_ratios_wall": [round(x, 3) for x in wall],
+            "median_cpu_s": round(statistics.median(r["cpu"] for r in got[arm]), 3),
+            "peak_rss_mb": round(max(r["rss_kb"] for r in got[arm]) / 1024, 1),
+        }
+    out["original_median_cpu_s"] = round(statistics.median(r["cpu"] for r in got["original"]), 3)
+    out["original_peak_rss_mb"] = round(max(r["rss_kb"] for r in got["original"]) / 1024, 1)
+    out["goal_ratio_rows"] = "<= 0.30"
+    out["soup_rows_found"] = {k: got["soup_rows"][0][k] for k in ("rows_ranked", "flagged", "top_row")}
+    out["what"] = ("original = soup-cli's read_rewind_log + find_spikes + rank_rows of the worst spike; soup = "
+                   "read_log + log_spikes + rank_rows (soup rewind); soup_rows = read_log(sightings=True) + "
+                   "row_view (soup rewind --rows); each in a fresh interpreter, imports included, the three "
+                   "interleaved")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="recorder rounds (6: every order of on, off, none)")
@@ -360,11 +453,19 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=1_000_000)
     parser.add_argument("--skip-recorder", action="store_true")
     parser.add_argument("--skip-reader", action="store_true")
+    parser.add_argument("--skip-original", action="store_true")
+    parser.add_argument("--original", default="/tmp/soupcli077/bin/python",
+                        help="the interpreter of an environment with soup-cli 0.77.0 (see startup.py)")
+    parser.add_argument("--original-pairs", type=int, default=5)
+    parser.add_argument("--original-micro-batches", type=int, default=200_000)
     parser.add_argument("--record", action="store_true", help=f"write {RESULTS}")
     args = parser.parse_args()
     result: dict[str, Any] = {"benchmark": "rewind"}
     if not args.skip_reader:
         result["reader"] = reader(args.reader_pairs, args.micro_batches)
+    if not args.skip_original:
+        result["reader_vs_original"] = against_original(args.original_pairs, args.original_micro_batches,
+                                                        args.original)
     if not args.skip_recorder:
         result["recorder"] = recorder_overhead(args.rounds, args.steps, args.warmup)
     result.update(_sft_bench().machine())
@@ -373,6 +474,9 @@ def main() -> None:
         goals["reader_time"] = result["reader"]["median_ratio_reader_over_json_loads"] <= 2.0
         goals["reader_time_by_cpu"] = result["reader"]["median_ratio_by_cpu_time"] <= 2.0
         goals["reader_memory"] = result["reader"]["reader_peak_rss_mb"] < 200
+    if "reader_vs_original" in result:
+        goals["reader_vs_original_rows"] = result["reader_vs_original"]["soup_rows"]["median_ratio_by_cpu_time"] <= 0.30
+        goals["reader_vs_original_plain"] = result["reader_vs_original"]["soup"]["median_ratio_by_cpu_time"] <= 0.30
     if "recorder" in result:
         goals["recorder_on_vs_off"] = result["recorder"]["overhead_pct_on_vs_off"] <= 2.0
         goals["recorder_on_vs_no_recorder"] = result["recorder"]["overhead_pct_on_vs_no_recorder"] <= 2.0
@@ -382,8 +486,12 @@ def main() -> None:
     if args.record:  # a part skipped keeps its recorded section and verdicts
         def merge(old: Any) -> dict[str, Any]:
             old = old if isinstance(old, dict) else {}
-            kept = {p: old[p] for p in ("reader", "recorder") if p not in result and p in old}
-            kept_goals = {k: v for k, v in old.get("meets_goals", {}).items() if k.split("_")[0] in kept}
+            kept = {p: old[p] for p in ("reader", "recorder", "reader_vs_original") if p not in result and p in old}
+
+            def part_of(goal: str) -> str:
+                return "reader_vs_original" if goal.startswith("reader_vs_original") else goal.split("_")[0]
+
+            kept_goals = {k: v for k, v in old.get("meets_goals", {}).items() if part_of(k) in kept}
             return {**result, **kept, "meets_goals": {**kept_goals, **goals}}
 
         _common.record("rewind", result, merge)

@@ -51,7 +51,8 @@ def heavy_imports(
     "args",
     [["--help"], ["--version"], ["plugins", "list"], ["plugins", "list", "--json"], ["runs"], ["runs", "--help"],
      ["train", "--help"], ["rewind", "--help"], ["cache", "list"],
-     ["rewind", str(REPO / "plugins" / "soup_plugin_rewind" / "tests" / "seed-example.jsonl")]],
+     ["rewind", str(REPO / "plugins" / "soup_plugin_rewind" / "tests" / "seed-example.jsonl")],
+     ["rewind", str(REPO / "plugins" / "soup_plugin_rewind" / "tests" / "seed-example.jsonl"), "--rows"]],
 )
 def test_light_commands_import_no_heavy_library(args: list[str], tmp_path: Path) -> None:
     assert heavy_imports(args, tmp_path) == []

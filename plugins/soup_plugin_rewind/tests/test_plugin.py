@@ -82,7 +82,8 @@ def test_command_in_the_soup_app(fixture_log: Path, tmp_path: Path, monkeypatch)
 
 
 def test_soup_rewind_imports_no_heavy_library(tmp_path: Path) -> None:
-    """The whole report, previews included (config, plugins, data rebuilt), in a fresh interpreter."""
+    """The whole report and the --rows view, previews included (config, plugins, data rebuilt), in a fresh
+    interpreter."""
     import yaml
 
     import soup_core
@@ -94,7 +95,7 @@ def test_soup_rewind_imports_no_heavy_library(tmp_path: Path) -> None:
     formats = dict(soup_core.load_plugins().data_formats.items())
     fp = soup_core.build_training_list(data, formats=formats, base_dir=tmp_path).fingerprint
     out = tmp_path / "output"
-    batches = [(s, 0, [s], [1.0 if s != 5 else 9.0], [10]) for s in range(1, 7)]
+    batches = [(s, 0, [(s - 1) % 6], [1.0 if s != 5 else 9.0], [10]) for s in range(1, 13)]  # 2 epochs
     write_log(out / "rewind.jsonl", batches, fingerprint=fp)
     (out / "soup_config.yaml").write_text(yaml.safe_dump({"base": "x", "output": "output", "data": data}))
     code = """
@@ -106,7 +107,10 @@ import soup_plugin_rewind.plugin as p
 with registered_plugin("rewind", p):
     result = CliRunner().invoke(build_app(), ["rewind", "output", "--plot", "--json", "r.json"])
 assert result.exit_code == 0, result.output
-assert "row number 5" in result.stdout, result.stdout
+assert "row number 4" in result.stdout, result.stdout
+result = CliRunner().invoke(build_app(), ["rewind", "output", "--rows", "--json", "rows.json"])
+assert result.exit_code == 0, result.output
+assert "row number 4" in result.stdout and "6 rows ranked" in result.stdout, result.stdout
 heavy = sorted(m for m in ("torch", "transformers", "peft", "trl", "bitsandbytes", "datasets", "accelerate",
                            "mlx", "matplotlib", "pyarrow") if m in sys.modules)
 print("HEAVY", heavy)

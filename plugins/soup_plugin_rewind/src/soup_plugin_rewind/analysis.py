@@ -215,7 +215,7 @@ def find_spikes(
 
 def log_spikes(log: RewindLog) -> list[Spike]:
     """:func:`find_spikes` over a read log."""
-    return find_spikes(log.steps, (log.step_loss(i) for i in range(len(log.steps))))
+    return find_spikes(log.steps, log.step_losses())
 
 
 def rank_rows(rows: Iterable[RowStat]) -> list[RankedRow]:

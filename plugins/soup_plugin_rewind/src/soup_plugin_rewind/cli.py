@@ -28,10 +28,16 @@ HELP = f"""Name the rows behind a loss spike, from the run's flight recorder (re
   soup rewind out/rewind.jsonl       a log or output folder, no tracker row
   soup rewind RUN --json r.json      strict JSON (keys: see the README)
   soup rewind RUN --drop-rows 17,42 --write-data clean.jsonl
+  soup rewind RUN --rows             rows ranked by how they trained across the run
 
 A step is critical when its token-weighted loss is not finite, a warning when its loss is strictly \
 more than 2.0x the median of the previous 20 measured finite steps (at least 3 of them). A row's share \
 is its loss x tokens over the step's sum.
+
+--rows measures each sighting of a row against its peers (the step's other rows): q = loss / peers' \
+loss, and drift = q at its last sighting / q at its first. A row is flagged when its drift is at least \
+2.0 and it ends at least 1.0 nat over its peers: its loss did not fall with the data's. Rows seen in one \
+step only are counted, not ranked (train 2 or more epochs).
 
 {EXIT_CODES}
 """
@@ -67,6 +73,9 @@ def rewind(
     write_data: str | None = typer.Option(
         None, "--write-data", metavar="PATH", help="Write the training rows without --drop-rows (JSON Lines)."
     ),
+    rows: bool = typer.Option(
+        False, "--rows", help="Rank rows by how they trained across the run (drift against their peers)."
+    ),
 ) -> None:
     """Name the rows behind a loss spike (see HELP)."""
     from soup_plugin_rewind.logfile import LogError
@@ -77,7 +86,7 @@ def rewind(
     try:
         run_report(
             ref, step=step, top=top, no_preview=no_preview, json_path=json_path, plot=plot,
-            plot_file=plot_file, drop_rows=drop_rows, write_data=write_data, out=out, err=err,
+            plot_file=plot_file, drop_rows=drop_rows, write_data=write_data, rows=rows, out=out, err=err,
         )
     except _Exit as stop:
         if stop.message:
@@ -102,6 +111,7 @@ def run_report(
     plot_file: str | None = None,
     drop_rows: str | None = None,
     write_data: str | None = None,
+    rows: bool = False,
     out: Any,
     err: Any,
 ) -> None:
@@ -120,6 +130,8 @@ def run_report(
         raise _Exit(2, str(exc)) from None
     if len(set(destinations.values())) < len(destinations):
         raise _Exit(2, "--json, --plot-file and --write-data must name different files")
+    if rows and (step is not None or plot or plot_file is not None):
+        raise _Exit(2, "--rows ranks rows over the whole run: --step, --plot and --plot-file go without it")
     if (drop_rows is None) != (write_data is None):
         raise _Exit(2, "--drop-rows and --write-data go together: --drop-rows 17,42 --write-data clean.jsonl")
     dropped: list[int] = []
@@ -137,14 +149,14 @@ def run_report(
     except locate.NotFound as exc:
         raise _Exit(1, str(exc)) from None
     try:
-        log = read_log(target.log)
+        log = read_log(target.log, sightings=rows)
     except LogError as exc:
         raise _Exit(1, str(exc)) from None
     if target.run_id and log.run_ids and target.run_id not in log.run_ids:
         # A later run in the same folder rotated this run's log to rewind.jsonl.1.
         older = locate.rotated(target.log)
         try:
-            previous = read_log(older) if older.is_file() else None
+            previous = read_log(older, sightings=rows) if older.is_file() else None
         except LogError:
             previous = None
         if previous is not None and target.run_id in previous.run_ids:
@@ -169,9 +181,13 @@ def run_report(
     if log.skipped.total:
         err.print(f"note: skipped {log.skipped.total} line(s) of {log.path.name}: {log.skipped.describe()}")
     run_id = target.run_id or (log.run_ids[-1] if log.run_ids else None)
+    if rows:
+        _rows_report(log, target, run_id, top=top, no_preview=no_preview, dropped=dropped,
+                     destinations=destinations, out=out, err=err)
+        return
 
     # ---- spikes, and which step to detail
-    losses = [log.step_loss(i) for i in range(len(log.steps))]
+    losses = list(log.step_losses())
     spikes = analysis.find_spikes(log.steps, losses)
     detail = step if step is not None else (spikes[0].step if spikes else None)
     if step is not None and log.index_of(step) is None:
@@ -244,6 +260,51 @@ def run_report(
             "truncated": log.skipped.truncated}, ranks=ranks, recurring=recurring,
             n_spikes_examined=len(examined), previews=shown_previews, preview_note=preview_note,
             fingerprint=log.header.get("dataset_fingerprint"), guards=log.guards, origins=origins,
+        )
+        _write(destinations["--json"], report_mod.dumps_report(doc).encode("utf-8"), "--json", err)
+
+
+def _rows_report(log: Any, target: Any, run_id: str | None, *, top: int, no_preview: bool, dropped: list[int],
+                 destinations: dict[str, Path], out: Any, err: Any) -> None:
+    """``--rows``: the rows ranked by drift against their peers (soup_plugin_rewind.rows), with previews."""
+    from soup_plugin_rewind import preview, render
+    from soup_plugin_rewind import report as report_mod
+    from soup_plugin_rewind import rows as rows_mod
+
+    view = rows_mod.row_view(log, top)
+    ranks = len(log.files)
+    scope = f", {ranks} ranks merged" if ranks > 1 else ""
+    out.print(f"{log.path}: {len(log.steps)} steps, {log.n_batches} micro-batches{scope}, {view.rows_seen} rows seen")
+    rebuilt = None
+    if (view.ranked and not no_preview) or dropped:
+        rebuilt = preview.rebuild(target.config, log.header.get("dataset_fingerprint"), target.output_dir)
+    shown: dict[int, str] | None = None
+    origins: dict[int, tuple[str, int] | None] = {}
+    note: str | None = "not requested (--no-preview)" if no_preview else None
+    if view.ranked and not no_preview and rebuilt is not None:
+        if rebuilt.ok:
+            shown = preview.previews(rebuilt, [d.row for d in view.ranked])
+            origins = {d.row: rebuilt.origin(d.row) for d in view.ranked}
+            note = "shown"
+        else:
+            note = rebuilt.reason
+            out.print(rebuilt.reason)
+    if view.ranked:
+        out.print(render.drift_table(view.ranked, shown).render(out.width))
+    for line in render.rows_summary(view):
+        out.print(line)
+    if view.ranked and view.ranked[0].flagged:
+        best = view.ranked[0]
+        origin = origins.get(best.row)
+        out.print(rows_mod.describe(best) + (f", from {origin[0]} line {origin[1]}" if origin else ""))
+        out.print("Its loss did not fall with the data's: inspect or drop this row, then retrain.")
+    if dropped:
+        _write_without(destinations["--write-data"], rebuilt, dropped, err)
+    if "--json" in destinations:
+        doc = report_mod.build_rows_report(
+            view, run_id=run_id, log_path=log.path, ranks=ranks, n_steps=len(log.steps), n_batches=log.n_batches,
+            skipped={"blank": log.skipped.blank, "corrupt": log.skipped.corrupt, "truncated": log.skipped.truncated},
+            fingerprint=log.header.get("dataset_fingerprint"), previews=shown, preview_note=note, origins=origins,
         )
         _write(destinations["--json"], report_mod.dumps_report(doc).encode("utf-8"), "--json", err)
 

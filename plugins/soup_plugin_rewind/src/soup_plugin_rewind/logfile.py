@@ -19,17 +19,16 @@ import math
 import os
 import re
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import truediv
 from pathlib import Path
 from typing import Any
 
-try:  # orjson is several times faster than json; the reader works without it
-    import orjson
+from soup_plugin_rewind import blocks as _blocks
+from soup_plugin_rewind.blocks import Sightings, add_sightings, take
 
-    _fast_loads: Any = orjson.loads
-except ImportError:  # pragma: no cover - exercised only where orjson is absent
-    _fast_loads = json.loads
+_fast_loads: Any = _blocks.fast_loads
 
 FORMAT_VERSION = 1
 LOG_NAME = "rewind.jsonl"
@@ -134,6 +133,8 @@ class LogFile:
     totals: tuple[array, array, bytearray] | None = field(default=None, repr=False)
     #: the spike guard's actions (``{"kind": "guard", "step", "action", "rows"}``), in step order
     guards: list[dict[str, Any]] = field(default_factory=list)
+    #: every measured row sighting, when the scan was asked for them (``rows=True``)
+    sightings: Sightings | None = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -152,6 +153,8 @@ class RewindLog:
     nonfinite: bytearray  # per step: 1 when some row with tokens had a non-finite loss
     skipped: SkipCounts
     notes: list[str] = field(default_factory=list)  # rank files left out, and why
+    #: every rank's measured row sightings in step order (``read_log(..., rows=True)``), else None
+    sightings: Sightings | None = field(default=None, repr=False)
 
     @property
     def header(self) -> dict[str, Any]:
@@ -189,6 +192,13 @@ class RewindLog:
         if self.nonfinite[index]:
             return math.nan
         return self.loss_sum[index] / toks
+
+    def step_losses(self) -> Iterator[float | None]:
+        """Every step's :meth:`step_loss`, in step order, one at a time (a list of a million steps' losses
+        would be 32 MB); a C-level division over the columns when every step has tokens and a finite loss."""
+        if not any(self.nonfinite) and (not self.tokens or min(self.tokens) > 0):
+            return map(truediv, self.loss_sum, self.tokens)
+        return (self.step_loss(i) for i in range(len(self.steps)))
 
     def index_of(self, step: int) -> int | None:
         i = bisect.bisect_left(self.steps, step)
@@ -314,8 +324,9 @@ def _parse_header(line: bytes, path: Path) -> dict[str, Any]:
     return obj
 
 
-def scan_file(path: str | os.PathLike[str]) -> LogFile:
-    """One pass over one file: the header, per-step totals and byte ranges, skipped-line counts.
+def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFile:
+    """One pass over one file: the header, per-step totals and byte ranges, skipped-line counts; with
+    ``sightings``, every measured row sighting too (:class:`Sightings`, for ``soup rewind --rows``).
 
     The per-step totals ride on the :class:`LogFile` (``totals``) until :func:`read_log` merges them.
     Raises :class:`LogError` for a file that cannot be read or is not a rewind log.
@@ -333,6 +344,7 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
     run_ids: list[str] = []
     guards: list[dict[str, Any]] = []
     n_batches = 0
+    sight = Sightings() if sightings else None
     cur = -1  # the step of the last entry
     ordered = True
     off = 0
@@ -345,121 +357,135 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
         raise LogError(f"cannot read {path}: {exc.strerror or exc}") from None
     with fh:
         try:
-            for line in fh:
-                start = off
-                off += len(line)
-                try:
-                    obj = loads(line)
-                except ValueError:
-                    if not line.strip():
-                        skipped.blank += 1
+            for block_start, lines in _blocks.blocks(fh):
+                if header is not None:
+                    fast = _blocks.fast_block(lines, block_start, cur, steps, loss_sum, tokens, nonfinite,
+                                              first_off, end_off, sight)
+                    if fast is not None:  # every line a well-formed batch: totalled in C, no per-line checks
+                        cur, in_order, n = fast
+                        ordered = ordered and in_order
+                        n_batches += n
                         continue
+                off = block_start
+                for line in lines:
+                    start = off
+                    off += len(line)
                     try:
-                        obj = json.loads(line)  # NaN / Infinity, which orjson refuses
+                        obj = loads(line)
                     except ValueError:
-                        obj = None
-                    if obj is None:
-                        if header is None:
-                            _parse_header(line, path)  # raises with the right message
-                        if line.endswith(b"\n"):
+                        if not line.strip():
+                            skipped.blank += 1
+                            continue
+                        try:
+                            obj = json.loads(line)  # NaN / Infinity, which orjson refuses
+                        except ValueError:
+                            obj = None
+                        if obj is None:
+                            if header is None:
+                                _parse_header(line, path)  # raises with the right message
+                            if line.endswith(b"\n"):
+                                skipped.corrupt += 1
+                            else:
+                                skipped.truncated += 1
+                            continue
+                    if header is None:
+                        header = _parse_header(line, path)
+                        if type(header.get("run_id")) is str:
+                            run_ids.append(header["run_id"])
+                        continue
+                    kind = obj.get("kind") if type(obj) is dict else None
+                    if kind == "batch":
+                        # The hot path: validate and total in one loop over the rows.
+                        try:
+                            step = obj["step"]
+                            rows = obj["rows"]
+                            losses = obj["row_loss"]
+                            toks = obj["row_tokens"]
+                            micro = obj["micro"]  # required: without it the line is corrupt, not data
+                        except KeyError:
                             skipped.corrupt += 1
-                        else:
-                            skipped.truncated += 1
-                        continue
-                if header is None:
-                    header = _parse_header(line, path)
-                    if type(header.get("run_id")) is str:
-                        run_ids.append(header["run_id"])
-                    continue
-                kind = obj.get("kind") if type(obj) is dict else None
-                if kind == "batch":
-                    # The hot path: validate and total in one loop over the rows.
-                    try:
-                        step = obj["step"]
-                        rows = obj["rows"]
-                        losses = obj["row_loss"]
-                        toks = obj["row_tokens"]
-                        micro = obj["micro"]  # required: without it the line is corrupt, not data
-                    except KeyError:
-                        skipped.corrupt += 1
-                        continue
-                    if (
-                        type(step) is not int
-                        or step < 1
-                        or type(micro) is not int
-                        or micro < 0
-                        or type(rows) is not list
-                        or type(losses) is not list
-                        or type(toks) is not list
-                        or not len(rows) == len(losses) == len(toks)
-                    ):
-                        skipped.corrupt += 1
-                        continue
-                    s_loss = 0.0
-                    s_tok = 0
-                    bad = 0
-                    ok = True
-                    for r, loss, t in zip(rows, losses, toks, strict=False):
-                        if type(r) is not int or type(t) is not int or r < 0 or t < 0:
-                            ok = False
-                            break
-                        if loss is None:
-                            if t:
-                                bad = 1
-                                s_tok += t
-                        elif type(loss) is float or type(loss) is int:
-                            if t:
-                                if loss - loss == 0.0:  # finite: inf - inf and nan - nan are nan
-                                    s_loss += loss * t
-                                else:
+                            continue
+                        if (
+                            type(step) is not int
+                            or step < 1
+                            or type(micro) is not int
+                            or micro < 0
+                            or type(rows) is not list
+                            or type(losses) is not list
+                            or type(toks) is not list
+                            or not len(rows) == len(losses) == len(toks)
+                        ):
+                            skipped.corrupt += 1
+                            continue
+                        s_loss = 0.0
+                        s_tok = 0
+                        bad = 0
+                        ok = True
+                        for r, loss, t in zip(rows, losses, toks, strict=False):
+                            if type(r) is not int or type(t) is not int or r < 0 or t < 0:
+                                ok = False
+                                break
+                            if loss is None:
+                                if t:
                                     bad = 1
-                                s_tok += t
+                                    s_tok += t
+                            elif type(loss) is float or type(loss) is int:
+                                if t:
+                                    if loss - loss == 0.0:  # finite: inf - inf and nan - nan are nan
+                                        s_loss += loss * t
+                                    else:
+                                        bad = 1
+                                    s_tok += t
+                            else:
+                                ok = False
+                                break
+                        if not ok:
+                            skipped.corrupt += 1
+                            continue
+                        n_batches += 1
+                        if sight is not None:
+                            add_sightings(sight, step, rows, losses, toks, bad)
+                        if step == cur:
+                            loss_sum[-1] += s_loss
+                            tokens[-1] += s_tok
+                            if bad:
+                                nonfinite[-1] = 1
+                            end_off[-1] = off
                         else:
-                            ok = False
-                            break
-                    if not ok:
+                            if step < cur:
+                                ordered = False
+                            steps.append(step)
+                            loss_sum.append(s_loss)
+                            tokens.append(s_tok)
+                            nonfinite.append(bad)
+                            first_off.append(start)
+                            end_off.append(off)
+                            cur = step
+                    elif kind == "resume":
+                        from_step = obj.get("from_step")
+                        if type(from_step) is not int or from_step < 0:
+                            skipped.corrupt += 1
+                            continue
+                        resumes.append(from_step)
+                        if type(obj.get("run_id")) is str and obj["run_id"] not in run_ids:
+                            run_ids.append(obj["run_id"])
+                        # Lines after the checkpoint belong to a run that was superseded: drop them.
+                        keep = [i for i in range(len(steps)) if steps[i] <= from_step]
+                        if len(keep) != len(steps):
+                            steps, loss_sum, tokens, nonfinite, first_off, end_off = (
+                                take(a, keep) for a in (steps, loss_sum, tokens, nonfinite, first_off, end_off)
+                            )
+                        cur = steps[-1] if steps else -1
+                        guards = [g for g in guards if g["step"] <= from_step]
+                        if sight is not None and sight.step and max(sight.step) > from_step:
+                            sight = sight.keep([i for i, s in enumerate(sight.step) if s <= from_step])
+                    elif kind == "guard" and type(obj.get("step")) is int:
+                        guards.append(obj)
+                    elif kind == "header":
+                        skipped.corrupt += 1  # a second header: two logs glued together
+                    elif type(obj) is not dict:
                         skipped.corrupt += 1
-                        continue
-                    n_batches += 1
-                    if step == cur:
-                        loss_sum[-1] += s_loss
-                        tokens[-1] += s_tok
-                        if bad:
-                            nonfinite[-1] = 1
-                        end_off[-1] = off
-                    else:
-                        if step < cur:
-                            ordered = False
-                        steps.append(step)
-                        loss_sum.append(s_loss)
-                        tokens.append(s_tok)
-                        nonfinite.append(bad)
-                        first_off.append(start)
-                        end_off.append(off)
-                        cur = step
-                elif kind == "resume":
-                    from_step = obj.get("from_step")
-                    if type(from_step) is not int or from_step < 0:
-                        skipped.corrupt += 1
-                        continue
-                    resumes.append(from_step)
-                    if type(obj.get("run_id")) is str and obj["run_id"] not in run_ids:
-                        run_ids.append(obj["run_id"])
-                    # Lines after the checkpoint belong to a run that was superseded: drop them.
-                    keep = [i for i in range(len(steps)) if steps[i] <= from_step]
-                    if len(keep) != len(steps):
-                        steps, loss_sum, tokens, nonfinite, first_off, end_off = (
-                            _take(a, keep) for a in (steps, loss_sum, tokens, nonfinite, first_off, end_off)
-                        )
-                    cur = steps[-1] if steps else -1
-                    guards = [g for g in guards if g["step"] <= from_step]
-                elif kind == "guard" and type(obj.get("step")) is int:
-                    guards.append(obj)
-                elif kind == "header":
-                    skipped.corrupt += 1  # a second header: two logs glued together
-                elif type(obj) is not dict:
-                    skipped.corrupt += 1
-                # other kinds are for newer readers: skipped, as the format says
+                    # other kinds are for newer readers: skipped, as the format says
         except OSError as exc:
             raise LogError(f"cannot read {path}: {exc.strerror or exc}") from None
     if header is None:
@@ -468,16 +494,12 @@ def scan_file(path: str | os.PathLike[str]) -> LogFile:
         steps, loss_sum, tokens, nonfinite, first_off, end_off = _sort_merge(
             steps, loss_sum, tokens, nonfinite, first_off, end_off
         )
+        if sight is not None:
+            sight = sight.keep(sorted(range(len(sight)), key=sight.step.__getitem__))  # stable: file order kept
     return LogFile(
         path, header, steps, first_off, end_off, skipped, n_batches, resumes, run_ids, (loss_sum, tokens, nonfinite),
-        guards,
+        guards, sight,
     )
-
-
-def _take(a: Any, keep: list[int]) -> Any:
-    out = type(a)() if isinstance(a, bytearray) else array(a.typecode)
-    out.extend(a[i] for i in keep)
-    return out
 
 
 def _sort_merge(steps, loss_sum, tokens, nonfinite, first_off, end_off):  # noqa: ANN001, ANN202
@@ -512,19 +534,20 @@ def _same_run(primary: LogFile, other: LogFile) -> str | None:
     return None
 
 
-def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> RewindLog:
+def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *, sightings: bool = False) -> RewindLog:
     """Read a rewind log: one file, or the files of a distributed run (see :func:`log_set`), merged.
+    ``sightings``: keep every measured row sighting too (``RewindLog.sightings``, for ``soup rewind --rows``).
 
     A ``rewind.jsonl`` path brings in its ``rewind.rank<N>.jsonl`` siblings. Raises :class:`LogError`
     when the first file is not a readable log; a sibling that is not is left out with a note.
     """
     paths = log_set(path) if isinstance(path, (str, os.PathLike)) else [Path(p) for p in path]
-    primary = scan_file(paths[0])
+    primary = scan_file(paths[0], sightings=sightings)
     files = [primary]
     notes: list[str] = []
     for other_path in paths[1:]:
         try:
-            other = scan_file(other_path)
+            other = scan_file(other_path, sightings=sightings)
         except LogError as exc:
             notes.append(f"left out {other_path.name}: {exc}")
             continue
@@ -544,7 +567,23 @@ def read_log(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) ->
         steps, loss_sum, tokens, nonfinite = _merge_files(files)
     for f in files:
         f.totals = None
-    return RewindLog(files, steps, loss_sum, tokens, nonfinite, skipped, notes)
+    sight = _merge_sightings(files) if sightings else None
+    return RewindLog(files, steps, loss_sum, tokens, nonfinite, skipped, notes, sight)
+
+
+def _merge_sightings(files: list[LogFile]) -> Sightings:
+    """Every rank's sightings in one step order (each file's are; a stable sort keeps rank order in a step)."""
+    parts = [f.sightings for f in files if f.sightings is not None]
+    for f in files:
+        f.sightings = None
+    if len(parts) == 1:
+        return parts[0]
+    merged = Sightings()
+    for part in parts:
+        for mine, theirs in zip((merged.row, merged.loss, merged.tokens, merged.step),
+                                (part.row, part.loss, part.tokens, part.step), strict=True):
+            mine.extend(theirs)
+    return merged.keep(sorted(range(len(merged)), key=merged.step.__getitem__))
 
 
 def _merge_files(files: list[LogFile]) -> tuple[array, array, array, bytearray]:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.text import Text
 
 from soup_plugin_rewind.analysis import RankedRow, Spike
+from soup_plugin_rewind.rows import DRIFT_FACTOR, DRIFT_FLOOR, RowDrift, RowView
 
 # CSI (ESC [ ... final), OSC (ESC ] ... BEL or ST), other two-character escapes, and their 8-bit forms.
 _ESCAPES = re.compile(
@@ -143,6 +144,50 @@ def _headline(step: int, top: RankedRow | None) -> str:
     if top.tokens == 0 or top.share <= 0:
         return f"step {step}: no row carries supervised loss"
     return f"row {top.row}: {top.share * 100:.0f}% of step {step}'s loss, {tokens}"
+
+
+def drift_table(rows: Sequence[RowDrift], previews: dict[int, str] | None = None) -> PlainTable:
+    """``--rows``: each row's first and last sighting, its loss as a multiple of its peers' at each, the drift."""
+    columns = [("Row", "right"), ("Steps", "right"), ("First", "right"), ("×peers", "right"), ("Last", "right"),
+               ("×peers", "right"), ("Drift", "right"), ("", "left")]
+    if previews is not None:
+        columns.append(("Preview", "left"))
+    table = PlainTable("Rows by how they trained (drift of their loss against their peers')", columns,
+                       cut_last=previews is not None)
+    for d in rows:
+        cells = [str(d.row), f"{d.first_step}→{d.last_step}", fmt_loss(d.first_loss),
+                 _times(d.first_loss, d.first_peers), fmt_loss(d.last_loss), _times(d.last_loss, d.last_peers),
+                 f"{d.drift:.2f}x", "flagged" if d.flagged else ""]
+        if previews is not None:
+            cells.append(clean_text(previews.get(d.row, ""), 200))
+        table.add_row(cells, "red" if d.flagged else None)
+    return table
+
+
+def _times(loss: float, peers: float) -> str:
+    return f"{loss / peers:.2f}x" if peers > 0 else "—"
+
+
+def rows_summary(view: RowView) -> list[str]:
+    """What ``--rows`` judged, what it could not, and its verdict, in plain lines."""
+    if not view.judged:
+        why = ("every row was seen in one step only: one sighting says how hard a row is, not whether it trains. "
+               "Train 2 or more epochs to rank rows" if view.seen_once == view.rows_seen else
+               "no row has peers at two of its sightings")
+        return [f"No row ranked: {why}."]
+    parts = [f"{view.judged} rows ranked (seen in 2 or more steps)"]
+    if view.seen_once:
+        parts.append(f"{view.seen_once} seen in one step only, not ranked (one sighting cannot show whether a row "
+                     "trains)")
+    if view.no_peers:
+        parts.append(f"{view.no_peers} not ranked: a non-finite loss in their first or last step leaves no peers' loss")
+    lines = ["; ".join(parts) + "."]
+    rule = f"drift at least {DRIFT_FACTOR:g}x and, at the last sighting, at least {DRIFT_FLOOR:g} nat over its peers"
+    if view.flagged:
+        lines.append(f"{view.flagged} row{'s' if view.flagged != 1 else ''} flagged ({rule}).")
+    else:
+        lines.append(f"No row stands out: none trained against the data ({rule}).")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ the plot

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from soup_plugin_rewind.analysis import RankedRow, Spike
+from soup_plugin_rewind.rows import DRIFT_FACTOR, DRIFT_FLOOR, RowView
 
 REPORT_SCHEMA = "soup-rewind-report/1"
+ROWS_SCHEMA = "soup-rewind-rows/1"
 
 
 class PathRefused(Exception):
@@ -143,6 +145,53 @@ def build_report(
     if nulls:
         report["null_reason"] = nulls
     return report
+
+
+def build_rows_report(
+    view: RowView,
+    *,
+    run_id: str | None,
+    log_path: Path,
+    ranks: int,
+    n_steps: int,
+    n_batches: int,
+    skipped: dict[str, int],
+    fingerprint: Any,
+    previews: dict[int, str] | None,
+    preview_note: str | None,
+    origins: dict[int, tuple[str, int] | None],
+) -> dict[str, Any]:
+    """``soup rewind --rows --json``: the ranked rows with both sightings, the rule, and what was not ranked."""
+    rows = []
+    for d in view.ranked:
+        row: dict[str, Any] = {
+            "row": d.row, "flagged": d.flagged, "drift": d.drift, "over_peers": d.over_peers,
+            "first": {"step": d.first_step, "loss": d.first_loss, "peers": d.first_peers},
+            "last": {"step": d.last_step, "loss": d.last_loss, "peers": d.last_peers},
+        }
+        if previews is not None and d.row in previews:
+            row["preview"] = previews[d.row]
+        if origins.get(d.row) is not None:
+            row["file"], row["line"] = origins[d.row]  # type: ignore[misc]
+        rows.append(row)
+    return {
+        "run_id": run_id,
+        "schema": ROWS_SCHEMA,
+        "rule": {"drift_factor": DRIFT_FACTOR, "floor_nats": DRIFT_FLOOR},
+        "rows": rows,
+        "flagged": view.flagged,
+        "rows_seen": view.rows_seen,
+        "rows_ranked": view.judged,
+        "rows_seen_once": view.seen_once,
+        "rows_without_peers": view.no_peers,
+        "log": str(log_path),
+        "ranks": ranks,
+        "steps_recorded": n_steps,
+        "micro_batches": n_batches,
+        "lines_skipped": skipped,
+        "dataset_fingerprint": fingerprint,
+        "preview": preview_note,
+    }
 
 
 def dumps_report(report: dict[str, Any]) -> str:

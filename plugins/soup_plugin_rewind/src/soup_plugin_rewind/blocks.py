@@ -1,0 +1,187 @@
+"""Reading whole blocks of a rewind log at once, and the row sightings ``soup rewind --rows`` keeps.
+
+Most of a log is batch lines the recorder wrote, all alike; :func:`fast_block` parses a block of them in one
+call and totals it column by column in C (``array``, ``map``, ``sum``), where the line-by-line reader in
+:mod:`.logfile` spends a few Python operations on every row entry. A block with anything else in it is left
+to that reader, so both give the same totals (the tests hold them equal).
+"""
+
+from __future__ import annotations
+
+import io
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
+from operator import itemgetter, mul, sub
+from typing import Any
+
+try:  # orjson is several times faster than json; the reader works without it
+    import orjson
+
+    fast_loads: Any = orjson.loads
+except ImportError:  # pragma: no cover - exercised only where orjson is absent
+    import json
+
+    fast_loads = json.loads
+
+
+@dataclass
+class Sightings:
+    """Every measured sighting of a row (an entry with supervised tokens and a finite loss), in step order:
+    what ``soup rewind --rows`` ranks rows from. Four flat arrays, one item per sighting, so a million
+    micro-batches cost a few bytes per row entry and no Python object per entry."""
+
+    row: array = field(default_factory=lambda: array("Q"))
+    loss: array = field(default_factory=lambda: array("d"))
+    tokens: array = field(default_factory=lambda: array("Q"))
+    step: array = field(default_factory=lambda: array("Q"))
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def keep(self, keep: Sequence[int]) -> Sightings:
+        """The sightings at the indices ``keep``, in that order."""
+        return Sightings(*(take(a, list(keep)) for a in (self.row, self.loss, self.tokens, self.step)))
+
+
+def take(a: Any, keep: list[int]) -> Any:
+    out = type(a)() if isinstance(a, bytearray) else array(a.typecode)
+    out.extend(a[i] for i in keep)
+    return out
+
+
+_BLOCK = 1 << 14  # bytes per block (smaller runs faster: the parsed block stays in the CPU's caches); a block
+# that is not all batch lines is read line by line
+
+
+def blocks(fh: Any) -> Iterable[tuple[int, list[bytes]]]:
+    """The file as (byte offset, whole lines) blocks; the first is small (the header is read line by line),
+    the last line keeps whatever it ends with (a truncated line has no newline)."""
+    off = 0
+    rest = b""
+    size = 1 << 12
+    while True:
+        data = fh.read(size)
+        size = _BLOCK
+        if not data:
+            if rest:
+                yield off, [rest]
+            return
+        data = rest + data
+        cut = data.rfind(b"\n") + 1
+        rest = data[cut:]
+        if cut:
+            chunk = data[:cut]
+            # lines end at b"\n" only, as iterating the file gives them (splitlines also cuts at a bare b"\r")
+            yield off, chunk.splitlines(keepends=True) if b"\r" not in chunk else io.BytesIO(chunk).readlines()
+            off += cut
+
+
+_BATCH_KEYS = itemgetter("kind", "step", "micro", "rows", "row_loss", "row_tokens")
+
+
+def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, loss_sum: array, tokens: array,
+                nonfinite: bytearray, first_off: array, end_off: array,
+                sight: Sightings | None) -> tuple[int, bool, int] | None:
+    """Total a block of batch lines with one parse and C-level passes; None (nothing changed) when any line
+    is not a well-formed batch with finite losses (a blank, corrupt or truncated line, another kind, a null
+    loss, a wrong type), which the caller then reads line by line. Returns (last step, in order, lines).
+
+    Exactly the line-by-line checks, done on whole columns: ``array("Q")`` refuses what is not a
+    non-negative int (a float, None, a string, a negative number), ``array("d")`` what is not a number;
+    JSON ``true``/``false`` (which both would take for 1 and 0) sends the block line by line.
+    """
+    joined = b",".join(lines)
+    # JSON true/false (which array() would take for 1 and 0): a batch line's keys hold no "u" and no "f", its
+    # numbers neither, so looking for those two bytes (memchr) finds every true and false, and little else
+    if b"u" in joined or b"f" in joined:
+        return None
+    try:
+        records = fast_loads(b"[" + joined + b"]")
+        kinds, step_of, micro, rows, losses, toks = zip(*map(_BATCH_KEYS, records), strict=True)
+        if set(kinds) != {"batch"} or set(map(type, rows)) | set(map(type, losses)) | set(map(type, toks)) != {list}:
+            return None
+        array("Q", micro)
+        first = array("Q", step_of)
+        if not first or min(first) < 1:
+            return None
+        lens = list(map(len, rows))
+        if lens != list(map(len, losses)) or lens != list(map(len, toks)):
+            return None
+        flat_rows = array("Q", chain.from_iterable(rows))
+        flat_toks = array("Q", chain.from_iterable(toks))
+        flat_loss = array("d", chain.from_iterable(losses))
+        line_tok = list(map(sum, toks))
+        line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+    except (ValueError, TypeError, KeyError, OverflowError):  # orjson's JSONDecodeError is a ValueError
+        return None
+    total = sum(line_loss)
+    if total - total != 0.0:  # an overflow to infinity: the line-by-line path says which step
+        return None
+    ends = list(accumulate(map(len, lines), initial=block_start))
+    n = len(lines)
+    if step_of[0] == cur + 1 and step_of[-1] == cur + n and set(map(sub, step_of[1:], step_of)) <= {1}:
+        # one line per step, in order (no gradient accumulation): the columns are the per-step totals
+        steps.extend(step_of)
+        loss_sum.extend(line_loss)
+        tokens.extend(line_tok)
+        nonfinite.extend(bytes(n))
+        first_off.extend(ends[:-1])
+        end_off.extend(ends[1:])
+        cur = step_of[-1]
+        _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+        return cur, True, n
+    ordered = True
+    off = block_start
+    for step, ls, tk, line in zip(step_of, line_loss, line_tok, lines, strict=True):
+        start = off
+        off += len(line)
+        if step == cur:
+            loss_sum[-1] += ls
+            tokens[-1] += tk
+            end_off[-1] = off
+        else:
+            if step < cur:
+                ordered = False
+            steps.append(step)
+            loss_sum.append(ls)
+            tokens.append(tk)
+            nonfinite.append(0)
+            first_off.append(start)
+            end_off.append(off)
+            cur = step
+    _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+    return cur, ordered, n
+
+
+def _block_sightings(sight: Sightings | None, step_of: Sequence[int], rows: Sequence[list[int]],
+                     losses: Sequence[list[Any]], toks: Sequence[list[int]], lens: list[int], flat_rows: array,
+                     flat_loss: array, flat_toks: array) -> None:
+    """A block's measured entries into ``sight``: its columns as they are when no entry has zero tokens."""
+    if sight is None:
+        return
+    if min(flat_toks, default=1) > 0:
+        sight.row.extend(flat_rows)
+        sight.tokens.extend(flat_toks)
+        sight.loss.extend(flat_loss)
+        sight.step.extend(array("Q", chain.from_iterable(map(repeat, step_of, lens))))
+    else:
+        for step, r, x, t in zip(step_of, rows, losses, toks, strict=True):
+            add_sightings(sight, step, r, x, t, 0)
+
+
+def add_sightings(sight: Sightings, step: int, rows: list[int], losses: list[Any], toks: list[int], bad: int) -> None:
+    """A validated batch line's measured entries (supervised tokens, a finite loss) into ``sight``."""
+    if not bad and 0 not in toks:  # the usual line: every entry is a measurement, copied in C
+        sight.row.extend(rows)
+        sight.loss.extend(losses)
+        sight.tokens.extend(toks)
+        sight.step.extend(repeat(step, len(rows)))
+        return
+    for r, loss, t in zip(rows, losses, toks, strict=False):
+        if t and loss is not None and loss - loss == 0.0:
+            sight.row.append(r)
+            sight.loss.append(loss)
+            sight.tokens.append(t)
+            sight.step.append(step)
