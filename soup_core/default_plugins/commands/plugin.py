@@ -19,8 +19,8 @@ SOUP_HOOK_API = (1, 1)
 @hookimpl
 def soup_register_commands() -> list[Command]:
     return [
-        Command(name="quickstart", target=quickstart, help="Train a tiny local model in about a minute, "
-                "with zero input: the fastest way to see Soup work."),
+        Command(name="quickstart", target=quickstart, help="Teach a real small model (SmolLM2-135M-Instruct) "
+                "a new name on the CPU in a few minutes, with zero input: the fastest way to see Soup work."),
         Command(name="init", target=init, help="Write a starter soup.yaml that validates as written."),
         Command(name="train", target=train, help=TRAIN_HELP),
         Command(name="merge", target=merge, help="Merge a trained LoRA adapter into its base model."),
