@@ -60,7 +60,8 @@ def _print(verdict, facts) -> None:  # noqa: ANN001 - a Verdict and its RunFacts
     if curve is not None:
         console.print(curve)
     if verdict.fix:
-        key = escape(f" ({verdict.key}: {verdict.value})") if verdict.key and verdict.value is not None else ""
+        named = f"{verdict.key}: {verdict.value}"
+        key = escape(f" ({named})") if verdict.key and verdict.value is not None and named not in verdict.fix else ""
         console.print(f"[bold]what to change:[/] {escape(verdict.fix)}{key}")
     if verdict.bundle and verdict.kind in ("crashed", "out_of_memory") and facts.source != "bundle":
         console.print(f"crash bundle: {escape(verdict.bundle)} (attach it to a bug report)")
