@@ -66,7 +66,7 @@ def resolve(value: str | None) -> str | None:
     return value if is_inline(value) else TEMPLATES[value]
 
 
-def _render(template: str, messages: list[dict[str, str]], **variables: Any) -> str:
+def render(template: str, messages: list[dict[str, str]], **variables: Any) -> str:
     """Render as transformers does (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``{% generation %}``,
     ``raise_exception``), without importing transformers at config time."""
     import jinja2
@@ -104,8 +104,8 @@ def check(value: str | None) -> str | None:
     import jinja2
 
     try:
-        rendered = _render(value, _SAMPLE, bos_token="<s>", eos_token="</s>", add_generation_prompt=False)
-        _render(value, _SAMPLE[:2], bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+        rendered = render(value, _SAMPLE, bos_token="<s>", eos_token="</s>", add_generation_prompt=False)
+        render(value, _SAMPLE[:2], bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"the Jinja template does not parse: {exc.message} (line {exc.lineno} of the "
                          "template); fix the template, or use a shipped one: " + ", ".join(TEMPLATES)) from None

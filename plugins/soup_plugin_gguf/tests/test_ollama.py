@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from soup_core.default_plugins.chat_templates import TEMPLATES, _render
+from soup_core.default_plugins.chat_templates import TEMPLATES, render
 from soup_plugin_gguf.ollama import go_template
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
@@ -44,7 +44,7 @@ def _go(template: str, messages: list[dict[str, str]]) -> str:
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_each_shipped_template_renders_as_its_jinja(name: str) -> None:
-    jinja = _render(TEMPLATES[name], CONVERSATION, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+    jinja = render(TEMPLATES[name], CONVERSATION, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
     assert _go(go_template(name, "</s>", "<s>"), CONVERSATION) == jinja
     # control: the renderer tells templates apart (another template's translation renders other text)
     other = next(n for n in sorted(TEMPLATES) if n != name)
@@ -69,3 +69,38 @@ def test_a_chatml_run_exports_a_modelfile(tmp_path: Path, tiny_model: Path, soup
     assert text.startswith(f"FROM ./{gguf_name}\nTEMPLATE \"\"\"{go_template('chatml', '', '')}\"\"\"\n")
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert "ollama create NAME -f Modelfile" in (folder / "README.md").read_text(encoding="utf-8")
+
+
+#: SmolLM2-135M-Instruct's own chat template (as its GGUF file and tokenizer carry it): chatml, with a default
+#: system message when a conversation has none.
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+           "<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_base_template_that_renders_as_a_shipped_one_is_translated(tmp_path: Path) -> None:
+    import json
+
+    from soup_plugin_gguf.ollama import OllamaError, modelfile, recognise
+
+    system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert recognise(SMOLLM2, "<|im_end|>", "") == ("chatml", system)
+    assert recognise(TEMPLATES["chatml"], "<|im_end|>", "") == ("chatml", None)
+    # controls: one character of the markup changed, or the default system message put after the user's turn
+    changed = SMOLLM2.replace("'\n' + message['content']", "': ' + message['content']")
+    assert changed != SMOLLM2 and recognise(changed, "<|im_end|>", "") is None
+    assert recognise(SMOLLM2.replace("loop.first", "loop.last"), "<|im_end|>", "") is None
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": SMOLLM2, "eos_token": "<|im_end|>"}))
+    text = modelfile(folder, "model.gguf", None)
+    assert f'SYSTEM """{system}"""' in text and go_template("chatml", "<|im_end|>", "") in text
+    assert _go(go_template("chatml", "<|im_end|>", ""), [{"role": "system", "content": system}, *CONVERSATION[1:]]) == \
+        render(SMOLLM2, CONVERSATION[1:], add_generation_prompt=True)  # what Ollama renders with SYSTEM in place
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": SMOLLM2.replace("im_start", "im_go"),
+                                                              "eos_token": "<|im_end|>"}))
+    with pytest.raises(OllamaError, match="nor renders as one"):
+        modelfile(folder, "model.gguf", None)

@@ -3,8 +3,10 @@ template language (Go templates), and the stop tokens from the tokenizer.
 
 Only the chat templates Soup ships (``data.chat_template``: chatml, llama3, zephyr, simple) are translated: the
 run's config names the one it trained with (the tokenizer saved beside the model carries it), and each
-translation renders the same text as the Jinja template for a conversation (tested). Any other template (the
-base's own, inline Jinja, or no run to say) is refused, named, before anything is written.
+translation renders the same text as the Jinja template for a conversation (tested). A run that kept its base's
+own template is translated when that template renders as a shipped one (SmolLM2's is chatml with a default
+system message, which becomes the Modelfile's ``SYSTEM``). Any other template is refused, named, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -54,6 +56,46 @@ def _tokenizer_facts(folder: Path) -> tuple[str | None, str, str]:
     return template, text("eos_token"), bos
 
 
+#: Conversations a template is recognised on: each with a system message, one with several turns.
+_PROBES = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+     {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "And 2 plus 2?"}],
+    [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Name a colour."}],
+]
+
+
+def recognise(template: str, eos: str, bos: str) -> tuple[str, str | None] | None:
+    """(the shipped template ``template`` renders as, the system message it adds when a conversation has none),
+    or None when it renders as none of them. Recognised by rendering, not by its text: the same conversations,
+    with the generation prompt, must give the same text to the character."""
+    import jinja2
+
+    from soup_core.default_plugins.chat_templates import TEMPLATES, render
+
+    def text(jinja: str, messages: list[dict[str, str]]) -> str:
+        return render(jinja, messages, add_generation_prompt=True, eos_token=eos, bos_token=bos)
+
+    try:
+        name = next((n for n, shipped in TEMPLATES.items()
+                     if all(text(template, p) == text(shipped, p) for p in _PROBES)), None)
+        if name is None:
+            return None
+        plain = [{"role": "user", "content": "Name a colour."}]
+        got = text(template, plain)
+        if got == text(TEMPLATES[name], plain):
+            return name, None
+        marker = "\x00soup-system\x00"
+        prefix, _, suffix = text(TEMPLATES[name], [{"role": "system", "content": marker}, *plain]).partition(marker)
+        system = got[len(prefix):len(got) - len(suffix)] if got.startswith(prefix) and got.endswith(suffix) else None
+        without = [plain, *(p[1:] for p in _PROBES)]  # the probes less their system messages
+        if system is not None and all(text(template, c) == text(TEMPLATES[name], [
+                {"role": "system", "content": system}, *c]) for c in without):
+            return name, system  # added in front of every conversation without one, as Ollama's SYSTEM is
+    except (jinja2.TemplateError, TypeError, ValueError):
+        pass
+    return None
+
+
 def go_template(name: str, eos: str, bos: str) -> str:
     """The Ollama template of the shipped template ``name``, with the tokenizer's eos/bos texts in place."""
     return GO_TEMPLATES[name][0].replace("EOS", eos).replace("BOS", bos)
@@ -63,9 +105,13 @@ def modelfile(folder: Path, gguf_name: str, name: str | None) -> str:
     """The Modelfile text for ``gguf_name`` (beside it): ``name`` is the run's ``data.chat_template`` (None when
     the run kept its base's template, or no run is known), the eos/bos texts come from the tokenizer in ``folder``."""
     template, eos, bos = _tokenizer_facts(folder)
+    system = None
+    if name not in GO_TEMPLATES and template is not None and (found := recognise(template, eos, bos)) is not None:
+        name, system = found
     if name not in GO_TEMPLATES:
         what = (f"was trained with an inline Jinja chat template ({name[:60]!r}...)" if name else
-                f"has a chat template that is not one Soup ships ({template[:60]!r}...)" if template else
+                f"has a chat template that is not one Soup ships nor renders as one ({template[:60]!r}...)"
+                if template else
                 "has no chat template")
         raise OllamaError(f"{folder} {what}; --to ollama translates only the templates Soup ships "
                           f"({', '.join(GO_TEMPLATES)}) into Ollama's template language. Train with "
@@ -73,5 +119,5 @@ def modelfile(folder: Path, gguf_name: str, name: str | None) -> str:
                           "Modelfile's TEMPLATE yourself")
     stops = list(dict.fromkeys(s for s in (GO_TEMPLATES[name][1].replace("EOS", eos), eos) if s))
     lines = [f"FROM ./{gguf_name}", f'TEMPLATE """{go_template(name, eos, bos)}"""',
-             *(f"PARAMETER stop {json.dumps(s)}" for s in stops)]
+             *([f'SYSTEM """{system}"""'] if system else []), *(f"PARAMETER stop {json.dumps(s)}" for s in stops)]
     return "\n".join(lines) + "\n"
