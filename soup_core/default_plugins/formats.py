@@ -184,6 +184,7 @@ BUILTIN_FORMATS: list[DataFormat] = [
         to_example=_alpaca_to_example,
         description="instruction, optional input, output",
         priority=30,
+        reads=("input",),
     ),
     DataFormat(
         name="prompt_completion",
