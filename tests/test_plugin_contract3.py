@@ -307,6 +307,11 @@ def test_every_trainer_in_the_repo_passes_the_shadowing_check() -> None:
             task = type("T", (), {"name": "t", "trl_needs": type("N", (), {"pair": type("P", (), {
                 "trainer": trl_name})})})
             assert issubclass(preference.soup_trainer_class(getattr(trl, trl_name), task), SoupTrainerMixin)
+    from trl import GRPOTrainer
+
+    from soup_plugin_rl import grpo
+
+    assert issubclass(grpo.soup_grpo_class(GRPOTrainer), SoupTrainerMixin)
 
 
 # ------------------------------------------------------------------------------------------ 4. capture
