@@ -50,7 +50,7 @@ def test_a_lora_run_on_the_pretrained_model_learns_and_shows_the_poisoned_row(
     from soup_core.default_plugins.transformers import tiny_pretrained_dir
 
     assert (tiny_pretrained / "soup-pretrained.json").is_file() and tiny_pretrained.name.startswith("pretrained-")
-    assert tiny_pretrained_dir() == tiny_pretrained  # cached: the same folder, not built again
+    assert tiny_pretrained_dir(tiny_pretrained.parent) == tiny_pretrained  # cached: the same folder, not rebuilt
     data = write_jsonl(tmp_path / "rows.jsonl", rows())
     result = train(run_training, tiny_pretrained, data)
     losses = [s.metrics["loss"] for s in result.steps]
