@@ -404,3 +404,17 @@ def test_a_compute_loss_task_at_zero_penalty_trains_what_sft_trains_on_two_proce
         assert [m[key] for m in kl] == pytest.approx([m[key] for m in sft], rel=1e-5)
     # control: divided by num_items_in_batch alone, the loss (and gradient) is half of sft's on two processes
     assert naive[0]["loss"] == pytest.approx(sft[0]["loss"] / 2, rel=1e-5)
+
+
+def test_the_reference_forward_under_full_fine_tuning_is_refused_saying_why(
+    tmp_path: Path, tiny_model: Path, soup_home: Path, torch_one_thread: Any
+) -> None:
+    from soup_core.testing import TrainingFailed, train_in_process, write_jsonl
+
+    data = write_jsonl(tmp_path / "rows.jsonl", chat_rows(4))
+    cfg = {**config(data, tmp_path / "out", max_steps=1, lora={"r": 0}), "task": "c3_kl", "base": str(tiny_model)}
+    with pytest.raises(TrainingFailed) as failed:
+        train_in_process(cfg, workdir=tmp_path / "work", plugins=[("c3", TaskPlugin(make_task("c3_kl", "kl")))],
+                         installed=False)
+    assert "training.lora.r: 0 trains the base itself" in failed.value.message
+    assert "set training.lora.r above 0" in failed.value.message and failed.value.exit_code == 1
