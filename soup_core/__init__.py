@@ -29,10 +29,12 @@ from soup_core.contracts import (
     Support,
     Task,
 )
+from soup_core.default_plugins.moved import install as _install_moved
 from soup_core.events import MicroBatch, OptimizerStep, RunEnd, RunStart
 from soup_core.hookspecs import HOOK_API_VERSION, hookimpl
 
 __version__ = "0.1.0"
+_install_moved()  # the modules that became default plugins keep their old names (soup_core.tiny, ...)
 
 # the core services plugins use: name -> module, imported on first use so `import soup_core` stays cheap
 _LAZY = {

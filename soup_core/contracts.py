@@ -97,6 +97,7 @@ class DataFormat(NamedTuple):
     to_example: Callable[[Mapping[str, Any]], dict[str, Any]]
     description: str = ""
     priority: int = 0  # higher is tried first by auto-detection
+    reads: tuple[str, ...] = ()  # further keys to_example reads (alpaca's input): never reported as left out
 
 
 # --------------------------------------------------------------------------------------- tasks, backends
@@ -125,6 +126,9 @@ class Task:
     #: The step metric (``OptimizerStep.metrics``) this task minimises, for the watchdog's divergence rule;
     #: empty: ``loss`` when ``capabilities`` has ``token_cross_entropy``, else only the non-finite rule.
     divergence_metric: ClassVar[str] = ""
+    #: Raw-row keys beyond its format's own that the task reads (key -> the value of a row without it): kept
+    #: in each row's example, so ``encode`` sees them; a key no format nor task reads is reported, not kept.
+    extra_keys: ClassVar[Mapping[str, Any]] = {}
 
     def build(self, backend: Backend, context: Any) -> Any:  # pragma: no cover - interface
         """Build the backend-specific trainer for this task. ``context`` is what the backend passes: for

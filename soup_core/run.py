@@ -62,9 +62,10 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
     task_cls = plugins.tasks.get(config.task)
     formats = dict(plugins.data_formats.items())
     keys = [k.split(".", 1)[1] for k in getattr(task_cls, "data_keys", ())]
+    keep = tuple(getattr(task_cls, "extra_keys", None) or ())  # the raw-row keys the task reads
     # the rows are read and validated on another core while the deep probe imports the backend's libraries
-    ahead = [fill_ahead(config.data, formats=formats, base_dir=base_dir, key=key,
-                        accepted=task_cls.formats or None) for key in keys if getattr(config.data, key, None)]
+    ahead = [fill_ahead(config.data, formats=formats, base_dir=base_dir, key=key, accepted=task_cls.formats or None,
+                        keep=keep) for key in keys if getattr(config.data, key, None)]
     try:
         problems = plugins.requirements_for(backend=config.backend, task=config.task, deep=True)
         if problems:
@@ -81,7 +82,7 @@ def plan_run(config: Any, *, plugins: Any, base_dir: Path | None = None) -> Plan
             if getattr(config.data, attr, None) is None:
                 continue  # optional data keys (required ones were enforced by the config)
             training = cached_training_list(  # read, validated and stored once per content of the files
-                config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None
+                config.data, formats=formats, base_dir=base_dir, key=attr, accepted=task_cls.formats or None, keep=keep
             )
             plan.data[attr] = training
             plan.lines.append(f"data.{attr}: {summarize(training)}")

@@ -1,13 +1,14 @@
 """A test kit for plugin authors (and for Soup's own tests): a pytest plugin, and helpers that need no pytest.
 
 Enable the fixtures with one line in a test suite's top-level ``conftest.py``: ``pytest_plugins =
-["soup_core.testing"]``. They are ``soup_home`` (a fresh ``SOUP_HOME``), ``tiny_model`` (session: a tiny local
-Llama and tokenizer), ``tiny_gguf`` (session: it as a GGUF file), ``torch_one_thread`` (session) and
-``run_training`` (one in-process ``soup train``, returning a :class:`TrainingResult` with the run's events). The
-helpers build plugin sets (:func:`isolated_plugins`, :func:`registered_plugin`, :func:`plugin_from`), train
-(:func:`train_in_process`), lay out an installed distribution (:func:`make_distribution`), run the CLI in a
-subprocess (:func:`run_soup`), write files (:func:`write_jsonl`, :func:`write_yaml`) and name a source file's
-imports of soup-core outside its public API (:func:`private_core_imports`, :data:`PUBLIC_MODULES`).
+["soup_core.testing"]``. They are ``soup_home`` (a fresh ``SOUP_HOME``), ``tiny_model`` (session: a tiny local Llama
+and tokenizer), ``tiny_pretrained`` (session: it, pretrained on synthetic chat rows), ``tiny_gguf`` (session: it as
+a GGUF file), ``torch_one_thread`` (session) and ``run_training`` (one in-process ``soup train``, returning a
+:class:`TrainingResult` with the run's events). The helpers build plugin sets (:func:`isolated_plugins`,
+:func:`registered_plugin`, :func:`plugin_from`), train (:func:`train_in_process`), lay out an installed distribution
+(:func:`make_distribution`), run the CLI in a subprocess (:func:`run_soup`), write files (:func:`write_jsonl`,
+:func:`write_yaml`) and name a source file's imports of soup-core outside its public API
+(:func:`private_core_imports`, :data:`PUBLIC_MODULES`).
 docs/plugins.md, "4. Testing a plugin", shows them in use.
 
 Importing this module imports the core's contracts and nothing heavy (no torch, transformers, peft, trl,
@@ -534,6 +535,15 @@ def tiny_model(tmp_path_factory: Any) -> Path:
     from soup_core.default_plugins.transformers.tiny import tiny_model_dir
 
     return tiny_model_dir(tmp_path_factory.mktemp("soup-tiny"))
+
+
+@_fixture(scope="session")
+def tiny_pretrained() -> Path:
+    """``tiny_model`` pretrained on a fixed synthetic corpus (chat rows about sums), so a LoRA run on it moves the
+    loss within 50 steps and a poisoned row spikes. Built once (about 10 s of CPU), cached under ``$SOUP_HOME``."""
+    from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
+
+    return tiny_pretrained_dir()
 
 
 @_fixture(scope="session")

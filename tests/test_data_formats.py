@@ -108,7 +108,10 @@ def test_auto_detection_priority(tmp_path: Path) -> None:
 def test_explicit_format_is_not_detected(tmp_path: Path) -> None:
     result = build(write_jsonl(tmp_path / "d.jsonl", [{"text": "t", "prompt": "p", "completion": "c"}]), format="text")
     assert (result.format, result.detected, result.rows) == ("text", False, [{"text": "t"}])
-    assert summarize(result) == "1 training row, 0 validation rows (format: text)"
+    # the keys the text format does not read are said, not dropped silently
+    assert summarize(result) == ("1 training row, 0 validation rows (format: text); left out, read by no format or "
+                                 "task of this run (a task reads them with extra_keys): 'completion' (1 row), "
+                                 "'prompt' (1 row)")
 
 
 def test_auto_detect_skips_unrecognisable_first_records(tmp_path: Path) -> None:

@@ -178,6 +178,8 @@ def test_a_disabled_third_party_plugin_is_named_where_its_task_and_key_are_missi
     task_line = next(line for line in out.splitlines() if "unknown task 'shout'" in line)
     key_line = next(line for line in out.splitlines() if "shout_volume" in line and "unknown key" in line)
     assert named in task_line and named in key_line
+    # the plugin that may provide it comes first, before the registered tasks and any did-you-mean
+    assert task_line.index(named) < task_line.index("registered tasks")
     assert not (site / "imported.flag").exists()  # found from metadata: the disabled plugin was never imported
 
 

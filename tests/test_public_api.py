@@ -30,7 +30,7 @@ def test_every_plugin_of_the_repository_is_scanned() -> None:
     names = {src.parent.name for src in SOURCES}
     assert {"soup_plugin_mlx", "soup_plugin_rl", "soup_plugin_streaming", "soup_plugin_rewind",
             "soup_plugin_unlearn", "soup_plugin_distill", "soup_plugin_example", "soup_plugin_focal",
-            "soup_plugin_cloud"} <= names
+            "soup_plugin_cloud", "soup_plugin_klsft"} <= names
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda src: src.parent.name)

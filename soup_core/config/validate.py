@@ -366,11 +366,12 @@ def _name_issue(kind: str, value: str, registered: list[str], first_party: Mappi
         reason, install = known.absent_reason(dist, schema.not_loaded)
         return ConfigIssue(kind, f"{kind} '{value}' comes from {reason}", install=install)
     names = ", ".join(sorted(registered)) if registered else f"none (no {kind} is registered)"
-    message = f"unknown {kind} '{value}' — registered {kind}s: {names}"
+    # an installed plugin that is not loaded is the likeliest answer: named first, before any guess
+    message = f"unknown {kind} '{value}'{known.not_loaded_note(schema.not_loaded)} — registered {kind}s: {names}"
     close = difflib.get_close_matches(value, [*registered, *first_party], n=1, cutoff=0.6)
     if close:
         message += f" — did you mean '{close[0]}'?"
-    return ConfigIssue(kind, message + known.not_loaded_note(schema.not_loaded))
+    return ConfigIssue(kind, message)
 
 
 def _at(issue: ConfigIssue, positions: Positions) -> ConfigIssue:

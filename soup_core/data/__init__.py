@@ -32,6 +32,11 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("BUILTIN_FORMATS", "alpaca_prompt"):  # moved to the formats default plugin (warned once)
+        from soup_core.default_plugins import moved
+
+        moved.warn_moved(f"soup_core.data.{name}", f"soup_core.default_plugins.formats.{name}", "name")
+        return getattr(importlib.import_module("soup_core.default_plugins.formats"), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'soup_core.data' has no attribute {name!r}")

@@ -55,6 +55,7 @@ class TrainingList:
     #: The files in config order; file i holds the row indices after those of files 0..i-1.
     files: list[SourceFile] = field(default_factory=list)
     val_origins: list[tuple[str, int]] = field(default_factory=list)  # the same for validation rows
+    unread: dict[str, int] = field(default_factory=dict)  # key -> rows that carry it, read by no format or task
 
     @property
     def n_rows(self) -> int:
@@ -281,7 +282,8 @@ def _detect(items: Iterator[Item], candidates: list[DataFormat], shown: str) -> 
     )
 
 
-def _example(fmt: DataFormat, record: dict[str, Any], display: str, number: int, unit: str) -> dict[str, Any]:
+def _example(fmt: DataFormat, record: dict[str, Any], display: str, number: int, unit: str,
+             keep: Sequence[str] = (), unread: dict[str, int] | None = None) -> dict[str, Any]:
     try:
         example = fmt.to_example(record)
     except ValueError as exc:
@@ -292,6 +294,9 @@ def _example(fmt: DataFormat, record: dict[str, Any], display: str, number: int,
         ) from exc
     if not isinstance(example, dict):
         raise DataError(display, number, f"format {fmt.name} returned {type(example).__name__}, not a dict", unit=unit)
+    example.update((k, record[k]) for k in keep if k in record and k not in example)  # the task's extra_keys
+    for k in record.keys() - example.keys() - {*fmt.keys, *fmt.reads} if unread is not None else ():
+        unread[k] = unread.get(k, 0) + 1
     return example
 
 
@@ -302,6 +307,7 @@ def build_training_list(
     base_dir: Path | None = None,
     key: str = "train",
     accepted: Sequence[str] | None = None,
+    keep: Sequence[str] = (),
 ) -> TrainingList:
     """Read, validate, normalise and split the data named by ``data.<key>`` into a :class:`TrainingList`.
 
@@ -311,7 +317,8 @@ def build_training_list(
     ``accepted`` the ones the task takes (empty or None: all). ``format: auto`` chooses from the keys of
     the first record some accepted format recognises. Every record is validated: ``on_bad_row: error``
     raises the first bad row as :class:`DataError`, ``skip`` skips and collects them all. Validation rows
-    are drawn by :func:`split_indices`; the training rows keep their file order.
+    are drawn by :func:`split_indices`; the training rows keep their file order. ``keep``: the task's
+    ``extra_keys``, kept in each example; other keys no format reads are counted in ``unread``.
     """
     paths = _paths(_get(data, key), key)
     sources = [(raw, _resolve(raw, base_dir)) for raw in paths]
@@ -329,13 +336,14 @@ def build_training_list(
     origins: list[tuple[str, int]] = []
     owners: list[int] = []
     skipped: list[DataError] = []
+    unread: dict[str, int] = {}
     total = 0
     for i, fmt, (display, number, unit, record) in _read_files(data, key, base_dir, formats, accepted, files):
         total += 1
         try:
             if isinstance(record, DataError):
                 raise record
-            examples.append(_example(fmt, record, display, number, unit))
+            examples.append(_example(fmt, record, display, number, unit, keep, unread))
             origins.append((display, number))
             owners.append(i)
         except DataError as exc:
@@ -374,6 +382,7 @@ def build_training_list(
         origins=origins,
         files=files,
         val_origins=val_origins,
+        unread=unread,
     )
 
 
@@ -412,6 +421,9 @@ def summarize(training_list: TrainingList) -> str:
     )
     if training_list.skipped:
         line += f"; {_plural(len(training_list.skipped), 'bad row')} skipped"
+    if getattr(training_list, "unread", None):  # never dropped without a word: a task declares extra_keys
+        keys = ", ".join(f"{k!r} ({_plural(n, 'row')})" for k, n in sorted(training_list.unread.items()))
+        line += f"; left out, read by no format or task of this run (a task reads them with extra_keys): {keys}"
     files = training_list.files
     if len(files) > 1 or any(f.weight != 1 for f in files):
         from soup_core.data.order import file_draws

@@ -124,7 +124,7 @@ class _Writer:
 
 
 def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: Path | None, key: str,
-                 accepted: Sequence[str] | None, paths: list[str]) -> dict[str, Any]:
+                 accepted: Sequence[str] | None, paths: list[str], keep: Sequence[str] = ()) -> dict[str, Any]:
     """:func:`build_training_list`, row by row into Arrow files: what it holds in memory is a batch of rows,
     not the data set. The same rows, order, split, origins, fingerprint and errors (the tests compare)."""
     import hashlib
@@ -148,6 +148,7 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
         _Writer(folder / "all.arrow", {"row": pa.string(), "canon": pa.binary(), "origin": pa.int64()})
     digest, val_digest = hashlib.sha256(), hashlib.sha256()
     skipped: list[DataError] = []
+    unread: dict[str, int] = {}
     total = n = 0
     try:
         for i, fmt, (display, number, unit, record) in b._read_files(data, key, base_dir, formats, accepted, files):
@@ -155,7 +156,7 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
             try:
                 if isinstance(record, DataError):
                     raise record
-                example = b._example(fmt, record, display, number, unit)
+                example = b._example(fmt, record, display, number, unit, keep, unread)
             except DataError as exc:
                 if on_bad_row == "error":
                     exc.fix = exc.fix or "fix the row, or set data.on_bad_row: skip to skip bad rows"
@@ -185,7 +186,7 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     val = _Writer(folder / "val.arrow", {"row": pa.string()})
     if whole:
         val.close()
-        return _facts(digest, val_digest, files, sources, skipped)
+        return {**_facts(digest, val_digest, files, sources, skipped), "unread": unread}
     held = set(b.split_indices(n, float(val_split), seed))
     rows = _Writer(folder / "rows.arrow", {"row": pa.string(), "origin": pa.int64()})
     position = 0
@@ -203,7 +204,7 @@ def _stream_fill(folder: Path, data: Any, formats: Mapping[str, Any], base_dir: 
     rows.close()
     val.close()
     (folder / "all.arrow").unlink()
-    return _facts(digest, val_digest, files, sources, skipped)
+    return {**_facts(digest, val_digest, files, sources, skipped), "unread": unread}
 
 
 def _facts(digest: Any, val_digest: Any, files: list[SourceFile], sources: list[tuple[str, Path]],
@@ -221,7 +222,7 @@ AHEAD_BYTES = 4 << 20
 
 
 def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None = None, key: str = "train",
-               accepted: Sequence[str] | None = None) -> Callable[..., None]:
+               accepted: Sequence[str] | None = None, keep: Sequence[str] = ()) -> Callable[..., None]:
     """Start filling the rows cache for ``data`` in a forked process, so that reading and validating the rows
     runs on another core while this one imports the backend's libraries (the deep probe); returns a function
     that reaps it (``reap(stop=True)`` stops it first: the run was refused and nothing will read the fill, so
@@ -253,7 +254,7 @@ def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None =
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 1)
             os.dup2(null, 2)
-            cached_training_list(data, formats=formats, base_dir=base_dir, key=key, accepted=accepted)
+            cached_training_list(data, formats=formats, base_dir=base_dir, key=key, accepted=accepted, keep=keep)
         except BaseException:  # noqa: BLE001 - the parent fills again and says what went wrong
             code = 1
         os._exit(code)
@@ -271,7 +272,7 @@ def fill_ahead(data: Any, *, formats: Mapping[str, Any], base_dir: Path | None =
 
 def cached_training_list(
     data: Any, *, formats: Mapping[str, Any], base_dir: Path | None = None, key: str = "train",
-    accepted: Sequence[str] | None = None,
+    accepted: Sequence[str] | None = None, keep: Sequence[str] = (),
 ) -> TrainingList:
     """:func:`build_training_list`, through the data cache. A data file that cannot be read, or pyarrow
     missing, builds the list directly (which says what is wrong)."""
@@ -279,7 +280,7 @@ def cached_training_list(
     from soup_core.data.cache import file_fingerprint, filled, meta
 
     def build() -> TrainingList:
-        return build_training_list(data, formats=formats, base_dir=base_dir, key=key, accepted=accepted)
+        return build_training_list(data, formats=formats, base_dir=base_dir, key=key, accepted=accepted, keep=keep)
 
     try:
         import pyarrow  # noqa: F401
@@ -292,13 +293,14 @@ def cached_training_list(
     except (ImportError, OSError, DataError):
         return build()
     parts = {
-        "files": files, "key": key, "accepted": list(accepted or []), "soup": __version__,
+        "files": files, "key": key, "accepted": list(accepted or []), "soup": __version__, "keep": sorted(keep),
         "settings": {name: _get(data, name) for name in ("format", "val_split", "seed", "on_bad_row")},
-        "formats": sorted([f.name, f.priority, getattr(f.to_example, "__module__", "")] for f in formats.values()),
+        "formats": sorted([f.name, f.priority, getattr(f.to_example, "__module__", ""), list(getattr(f, "reads", ()))]
+                          for f in formats.values()),
     }
 
     def fill(folder: Path) -> dict[str, Any]:
-        return _stream_fill(folder, data, formats, base_dir, key, accepted, paths)
+        return _stream_fill(folder, data, formats, base_dir, key, accepted, paths, keep)
 
     folder, _ = filled("rows", parts, fill)
     facts = meta(folder)
@@ -310,6 +312,7 @@ def cached_training_list(
         detected=facts["detected"], origins=_Origins(folder / "rows.arrow", list(paths)),  # type: ignore[arg-type]
         files=[SourceFile(raw, fmt, weight, rows, detected)
                for (raw, _, weight), (fmt, rows, detected) in zip(entries, facts["files"], strict=True)],
+        unread=dict(facts.get("unread") or {}),
     )
     training.val_fingerprint = facts["val_fingerprint"]  # type: ignore[attr-defined]
     training.digests = [digest for _, _, digest, _ in files]  # type: ignore[attr-defined]  # each file's SHA-256

@@ -2,7 +2,9 @@
 registered through the same hook a third-party plugin uses.
 
 Each turns a raw record into a normalised, JSON-serialisable example, or raises ``ValueError`` saying
-what is wrong with the record. Keys a format does not use (``id``, ``source``, ...) are ignored.
+what is wrong with the record. Keys a format does not use (``id``, ``source``, ...) are left out of the example
+and named once in the run's plan, unless the run's task declares them in ``extra_keys`` (then the core keeps
+them beside the format's keys: see ``soup_core.data.build``).
 
 Normalised examples:
 
@@ -184,6 +186,7 @@ BUILTIN_FORMATS: list[DataFormat] = [
         to_example=_alpaca_to_example,
         description="instruction, optional input, output",
         priority=30,
+        reads=("input",),
     ),
     DataFormat(
         name="prompt_completion",

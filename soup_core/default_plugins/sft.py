@@ -145,13 +145,20 @@ class SFTTask(Task):
     encoding_version = 1
 
     def encode(self, rows: Sequence[Mapping[str, Any]], tokenizer: Any, config: Any) -> list[dict[str, Any]]:
-        """Encode rows with the config's ``data.max_length`` and ``data.train_on_responses_only``."""
-        return encode_rows(
+        """Encode rows with the config's ``data.max_length`` and ``data.train_on_responses_only``; each of the
+        task's ``extra_keys`` goes beside the tokens (the row's value, else the declared default), where the
+        trainer's default collator brings it into the batch."""
+        encoded = encode_rows(
             rows,
             tokenizer,
             max_length=int(config.data.max_length),
             train_on_responses_only=bool(config.data.train_on_responses_only),
         )
+        extra = dict(self.extra_keys)
+        for item in encoded if extra else ():
+            row = rows[item["row_index"]]
+            item.update((key, row.get(key, default)) for key, default in extra.items())
+        return encoded
 
     def build(self, backend: Backend, context: Any) -> Any:
         """Build the trainer for ``backend``; ``context`` is the backend's trainer setup."""

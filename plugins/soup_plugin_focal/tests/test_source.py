@@ -32,3 +32,10 @@ def test_the_docs_show_the_distribution_as_it_is() -> None:
 def test_at_most_60_lines_of_python() -> None:
     lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (HERE / "src").rglob("*.py"))
     assert 0 < lines <= 60
+
+
+@pytest.mark.skipif(not DOCS.is_file(), reason="docs/plugins.md is in the repository, not in this distribution")
+def test_the_docs_and_readme_state_the_line_count_it_has() -> None:
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (HERE / "src").rglob("*.py"))
+    for text in (DOCS.read_text(encoding="utf-8"), (HERE / "README.md").read_text(encoding="utf-8")):
+        assert f"in {lines} lines of Python" in text

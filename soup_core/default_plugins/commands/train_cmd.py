@@ -56,6 +56,17 @@ watchdog stopped: recorded stopped);
 2 usage error; 130 interrupted by Ctrl-C, 143 by SIGTERM (the tracker row is marked interrupted)."""
 
 
+def env_overrides() -> dict[str, Any]:
+    """The overrides the launcher passed to each rank (empty outside a ``--nproc`` launch); kept for callers of
+    the old ``soup_core.distributed``."""
+    return json.loads(os.environ.get(OVERRIDES_ENV) or "{}")
+
+
+def env_run_id() -> str | None:
+    """The run id the launcher gave every rank, or None; kept for callers of the old ``soup_core.distributed``."""
+    return os.environ.get(RUN_ID_ENV) or None
+
+
 def _overrides(**flags: Any) -> dict[str, Any]:
     paths = {
         "lr": "training.learning_rate",

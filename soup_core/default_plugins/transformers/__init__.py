@@ -8,7 +8,8 @@ What a plugin imports from here (docs/plugins.md, "The trainer seam"):
 - the backend: :data:`HONOURED_FIELDS` (the support row of ``(transformers, sft)``), :class:`BackendError`,
   :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`resolve_dtype`, :func:`resolve_target_modules`,
   :func:`merge_adapter`, :class:`TransformersBackend`;
-- a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`;
+- a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`, and one
+  pretrained on synthetic chat rows (:func:`tiny_pretrained_dir`, :func:`synthetic_conversations`);
 - :func:`base_problem`: what a dry run can check of a base without loading its weights, and
   :func:`load_tokenizer`: a base's tokenizer, as a dry run loads it;
 - GGUF bases: :func:`resolve_base` (the folder to load for a base: a GGUF file's dequantised folder, built on
@@ -40,6 +41,7 @@ _EXPORTS = {
     **dict.fromkeys(("RowCollator", "SoupSFTTrainer", "SoupTrainerMixin", "TrainerSetup", "datasets_for",
                      "row_sums"), "trainer"),
     **dict.fromkeys(("build_tiny_model", "build_tiny_tokenizer", "tiny_model_dir"), "tiny"),
+    **dict.fromkeys(("synthetic_conversations", "tiny_pretrained_dir"), "tiny_pretrained"),
     **dict.fromkeys(("base_problem", "load_tokenizer"), "checks"),
     **dict.fromkeys(("GGUFError", "gguf_file", "inspect_base", "kept_folder", "resolve_base", "source_record"),
                     "gguf"),

@@ -41,6 +41,8 @@ from soup_core.default_plugins.transformers.loading import BackendError
 from soup_core.events import MicroBatch, OptimizerStep
 
 IGNORE = -100
+#: The mixin's seams a task overrides (defining one after the mixin in the method order is refused).
+SEAMS = ("soup_token_loss", "soup_row_losses", "soup_step_metrics", "soup_coefficients", "soup_wants_logits")
 
 
 @dataclass
@@ -211,11 +213,32 @@ class SoupTrainerMixin:
     Put it before the trainer class in the bases (``class T(SoupTrainerMixin, SFTTrainer)``; or subclass
     :class:`SoupSFTTrainer`) and build the trainer with :meth:`from_setup`. Seams a task overrides:
     :meth:`soup_token_loss` (its objective, per token), :meth:`soup_row_losses` (per-row losses, when it
-    overrides ``compute_loss`` itself), :meth:`soup_step_metrics` and ``soup_coefficients``.
+    overrides ``compute_loss`` itself), :meth:`soup_step_metrics`, ``soup_coefficients`` and
+    ``soup_wants_logits``. Helpers for a task's own ``compute_loss``: :meth:`soup_model_inputs`,
+    :meth:`soup_reference_forward`, :meth:`soup_mean_loss`.
+
+    A seam defined on a class that comes after the mixin in the method order (``class T(SoupTrainerMixin,
+    MyLoss)`` with ``MyLoss.soup_row_losses``) would never be called, the mixin's own winning: that is a
+    ``TypeError`` when the class is created, naming the method and the fix.
     """
 
     #: Names a controller may change with SetCoefficient. SFT has none; other tasks list theirs.
     soup_coefficients: tuple[str, ...] = ()
+    #: True: ``soup_token_loss``'s ``outputs`` also carries ``logits`` (the full vocabulary, built for it only).
+    soup_wants_logits: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        after = mro[mro.index(SoupTrainerMixin) + 1:]
+        for name in SEAMS:
+            hidden = next((k for k in after if name in vars(k)), None)
+            if hidden is not None and next(k for k in mro if name in vars(k)) is SoupTrainerMixin:
+                raise TypeError(
+                    f"{cls.__qualname__}: {hidden.__qualname__}.{name} is never used: {hidden.__qualname__} comes "
+                    f"after SoupTrainerMixin in the method order, so the mixin's own {name} wins. Define {name} on "
+                    f"{cls.__qualname__} itself (or on a class listed before SoupTrainerMixin in its bases)"
+                )
 
     @classmethod
     def from_setup(
@@ -235,8 +258,9 @@ class SoupTrainerMixin:
         - ``train_dataset``, ``eval_dataset``: the encoded rows, usually ``datasets_for(task, setup)``;
           ``eval_dataset`` None when there are no validation rows.
         - ``collator``: what turns a micro-batch of encoded rows into tensors; default
-          ``RowCollator(tokenizer.pad_token_id, packing=setup.packing)``. Give a ``RowCollator`` with
-          ``row_keys`` to bring per-row values of ``encode``'s output into the batch. ``False`` keeps the
+          ``RowCollator(tokenizer.pad_token_id, packing=setup.packing, row_keys=<the task's extra_keys>)``.
+          Give a ``RowCollator`` with other ``row_keys`` to bring other per-row values of ``encode``'s output
+          into the batch. ``False`` keeps the
           trainer class's own collator (trl's preference and GRPO trainers build theirs from the dataset).
         - ``args``: the training arguments, when the trainer class wants its own type (a trl ``DPOConfig``
           or ``GRPOConfig`` built from ``setup.args``); default ``setup.args``.
@@ -248,8 +272,9 @@ class SoupTrainerMixin:
         returned. A subclass with state of its own overrides this classmethod, calls
         ``super().from_setup(...)`` and sets that state on the trainer it returns.
         """
-        if collator is None:
-            collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing)
+        if collator is None:  # the task's extra_keys, which its encode put beside the tokens, come into the batch
+            keys = tuple(getattr(getattr(setup.ctx, "task", None), "extra_keys", None) or ())
+            collator = RowCollator(pad_token_id=setup.tokenizer.pad_token_id, packing=setup.packing, row_keys=keys)
         if collator is not False:
             trainer_kwargs["data_collator"] = collator
         trainer = cls(
@@ -338,7 +363,8 @@ class SoupTrainerMixin:
     # -------------------------------------------------------------------- per-row statistics
 
     def _soup_keep_output(self, module: Any, args: Any, output: Any) -> None:
-        if self._soup_capture:
+        # the trained forward only: a reference forward (no gradient) never replaces the per-row losses
+        if self._soup_capture and torch.is_grad_enabled():
             self._soup_output = output
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -375,11 +401,14 @@ class SoupTrainerMixin:
     def soup_token_loss(self, outputs: Any, inputs: dict[str, Any]) -> torch.Tensor:
         """The objective, per supervised token: override it to train something other than cross-entropy.
 
-        For trainers over trl's ``SFTTrainer`` (its fused LM head). ``outputs`` is the model's forward
-        output on the micro-batch: ``outputs.log_probs`` holds each supervised token's log-probability
-        (shape ``[rows, sequence - 1]``, 0 where ``outputs.label_mask`` is False); ``inputs`` is the batch
-        (``input_ids``, ``labels``, and the collator's ``row_keys``). Return a tensor of that shape,
-        differentiable through ``log_probs``.
+        For trainers over trl's ``SFTTrainer``. Called once per micro-batch, training and evaluation, right
+        after the forward pass. ``outputs.log_probs`` holds each supervised token's log-probability, already
+        shifted: ``log_probs[:, t]`` is that of token ``t + 1`` (shape ``[rows, sequence - 1]``, 0 where
+        ``outputs.label_mask`` is False). With ``soup_wants_logits = True`` on the class, ``outputs.logits``
+        (``[rows, sequence - 1, vocabulary]``, float32, shifted the same way) are there too, from the model's own
+        head; otherwise they are never built (the chunked head). ``inputs`` is the batch (``input_ids``,
+        ``labels``, and the collator's ``row_keys``, such as the task's ``extra_keys``). Return a tensor of
+        ``log_probs``' shape, differentiable through ``log_probs`` (or ``logits``).
 
         The trainer then does the rest, as for cross-entropy: the loss is the sum over tokens divided by
         the optimizer step's supervised tokens (the Trainer's ``num_items_in_batch``; the micro-batch's
@@ -392,16 +421,18 @@ class SoupTrainerMixin:
     def _soup_token_objective(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
     ) -> Any:
-        row_keys = getattr(self.data_collator, "row_keys", ())
-        model_inputs = {k: v for k, v in inputs.items() if k not in row_keys}
-        outputs = model(**model_inputs, fused_lm_head=True, use_cache=False)
+        model_inputs = self.soup_model_inputs(inputs)
+        if self.soup_wants_logits:  # the model's own head: the whole [rows, sequence, vocabulary] logits
+            outputs = model(**{k: v for k, v in model_inputs.items() if k != "labels"}, use_cache=False)
+            labels = model_inputs["labels"][:, 1:].to(outputs.logits.device)
+            mask, logits = labels != IGNORE, outputs.logits[:, :-1].float()
+            log_probs = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+            outputs = SimpleNamespace(logits=logits, log_probs=log_probs.masked_fill(~mask, 0.0), label_mask=mask)
+        else:
+            outputs = model(**model_inputs, fused_lm_head=True, use_cache=False)
         mask = outputs.label_mask
         per_token = self.soup_token_loss(outputs, inputs).masked_fill(~mask, 0.0)
-        tokens = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = per_token.sum() / torch.as_tensor(tokens, device=per_token.device).clamp(min=1)
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            # num_items_in_batch counts every process's tokens, and DDP averages the gradients
-            loss = loss * self.accelerator.num_processes
+        loss = self.soup_mean_loss(per_token.sum(), num_items_in_batch, mask.sum())
         if self._soup_capture:  # the per-row losses are this objective's, from this forward pass
             self._soup_output = SimpleNamespace(log_probs=-per_token.detach(), label_mask=mask)
         if not return_outputs:
@@ -409,6 +440,55 @@ class SoupTrainerMixin:
         with torch.no_grad():  # evaluation asks for logits, which the fused head does not build
             outputs = model(**{k: v for k, v in model_inputs.items() if k != "labels"}, use_cache=False)
         return loss, outputs
+
+    def soup_model_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``inputs`` (the batch ``compute_loss`` got) less the collator's ``row_keys`` (a task's per-row values,
+        such as a ``weight``): what the model's forward takes. A new dict; ``inputs`` is left as it is."""
+        row_keys = set(getattr(self.data_collator, "row_keys", ())) | {"row_index", "token_slot"}
+        return {k: v for k, v in inputs.items() if k not in row_keys}
+
+    def soup_mean_loss(self, summed: torch.Tensor, num_items_in_batch: Any, tokens: Any) -> torch.Tensor:
+        """The loss to return from ``compute_loss`` for ``summed``, a loss summed over this micro-batch's
+        supervised tokens (``tokens`` of them), scaled exactly as transformers' own ``compute_loss`` scales the
+        model's loss: divided by ``num_items_in_batch`` (the optimizer step's supervised tokens over every
+        accumulated micro-batch and, with ``average_tokens_across_devices``, every process) and multiplied by
+        the number of processes (DDP averages their gradients); without ``num_items_in_batch``, this
+        micro-batch's mean, which the Trainer divides by the accumulation steps. Sets ``loss_is_scaled_for_ga``
+        to match, so the step's gradient and reported loss are those of the mean over the step's tokens on 1 or
+        N processes, with any accumulation.
+        """
+        if num_items_in_batch is None:
+            self.loss_is_scaled_for_ga = False
+            return summed / torch.as_tensor(tokens, device=summed.device).clamp(min=1)
+        self.loss_is_scaled_for_ga = True
+        loss = summed / torch.as_tensor(num_items_in_batch, device=summed.device).clamp(min=1)
+        if self.args.average_tokens_across_devices:  # num_items_in_batch counts every process's tokens
+            tp = self.get_tp_size() if hasattr(self, "get_tp_size") else 1
+            loss = loss * (self.accelerator.num_processes // tp)
+        return loss
+
+    def soup_reference_forward(self, inputs: dict[str, Any], **kwargs: Any) -> Any:
+        """The reference model's forward output on ``inputs`` (the batch, as ``compute_loss`` got it): the
+        model being trained with its LoRA adapter turned off, that is the base, without gradient. ``kwargs`` go
+        to the forward (``fused_lm_head=True`` for trl's per-token log-probabilities instead of the logits).
+
+        It never changes the per-row losses, which stay those of the trained model's forward. Under
+        ``training.lora.r: 0`` there is no adapter to turn off: a ``BackendError`` (a full fine-tune's task
+        that needs a reference keeps a frozen copy of its own, loaded in ``from_setup``).
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        if not hasattr(model, "disable_adapter"):
+            raise BackendError(
+                f"the {self._soup.ctx.task.name} task asks for the reference model (the base: the trained model "
+                "with its LoRA adapter off), and training.lora.r: 0 trains the base itself, so there is none; "
+                "set training.lora.r above 0"
+            )
+        capture, self._soup_capture = self._soup_capture, False
+        try:
+            with torch.no_grad(), model.disable_adapter():
+                return model(**self.soup_model_inputs(inputs), use_cache=False, **kwargs)
+        finally:
+            self._soup_capture = capture
 
     def soup_row_losses(
         self, output: Any, n_rows: int, labels: Any, token_slot: Any

@@ -68,14 +68,15 @@ def eval_rows(target: Target, plugins: Any, data: Path | None) -> tuple[list[dic
     if task is None:
         raise TargetError(f"the run's task {config.task!r} is not registered (is its plugin installed?)")
     accepted = task.formats or None
+    keep = tuple(getattr(task, "extra_keys", None) or ())  # the rows as the run's task read them
     if data is not None:
         section = {"train": str(data), "format": data_format(config, data), "val_split": 0.0, "on_bad_row": "error"}
-        built = build_training_list(section, formats=plugins.data_formats, accepted=accepted)
+        built = build_training_list(section, formats=plugins.data_formats, accepted=accepted, keep=keep)
         return built.rows, str(data), built.origin
     if not config.data.val_split:
         raise TargetError(f"run {target.run_id or target.label} held out no validation rows (data.val_split: 0); "
                           "give the rows with --data FILE")
-    built = build_training_list(config.data, formats=plugins.data_formats, accepted=accepted)
+    built = build_training_list(config.data, formats=plugins.data_formats, accepted=accepted, keep=keep)
     if target.fingerprint and not built.fingerprint.startswith(target.fingerprint):
         raise TargetError(f"the run's data ({built.source}) changed since it trained (fingerprint "
                           f"{built.fingerprint[:16]}, the run recorded {target.fingerprint}): its validation split "

@@ -71,7 +71,8 @@ def rebuild(config: dict[str, Any] | None, fingerprint: Any, output_dir: Path | 
     problem = ""
     for base in _base_dirs(config, output_dir):
         try:
-            training = build(data, formats=formats, base_dir=base, key=key, accepted=accepted)
+            training = build(data, formats=formats, base_dir=base, key=key, accepted=accepted,
+                             keep=tuple(getattr(task_cls, "extra_keys", None) or ()))  # as the run kept them
         except data_error as exc:
             fix = getattr(exc, "fix", "")
             problem = f"Preview withheld: cannot rebuild the data set: {exc}" + (f" ({fix})" if fix else "")
