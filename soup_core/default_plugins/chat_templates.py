@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
+__all__ = ["TEMPLATES", "check", "is_inline", "render", "resolve"]
+
 _NL = "{{ '\\n' }}"
 
 #: name -> Jinja text. Role markers are plain text unless the tokenizer has them as special tokens.
