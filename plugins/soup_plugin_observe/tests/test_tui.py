@@ -68,7 +68,7 @@ def test_tui_follows_a_run_training_in_another_process(helpers: Any, tiny_model:
         threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()  # keep the pipe drained
 
         async def watch() -> tuple[list[int], list[str], Any]:
-            app = RunApp("latest")
+            app = RunApp("latest", poll=0.1)  # a fast machine trains 300 steps in a few seconds: read often
             steps: list[int] = []
             states: list[str] = []
             async with app.run_test(size=(120, 40)) as pilot:
@@ -83,7 +83,7 @@ def test_tui_follows_a_run_training_in_another_process(helpers: Any, tiny_model:
                         states.append(status.split(" · ")[1])
                     if not app.view.live:
                         break
-                    await pilot.pause(0.1)
+                    await pilot.pause(0.05)
                 await pilot.press("q")
             return steps, states, app
 

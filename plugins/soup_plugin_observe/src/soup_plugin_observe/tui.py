@@ -236,12 +236,18 @@ class RunApp(App[None]):
         try:
             view = build(load(self.ref), width - 4, self._rows)
         except FactsError as exc:
-            self.call_from_thread(self._failed, str(exc))
-            return
-        self.call_from_thread(self._show, view, time.monotonic() - started)
+            then, args = self._failed, (str(exc),)
+        else:
+            then, args = self._show, (view, time.monotonic() - started)
+        try:
+            self.call_from_thread(then, *args)
+        except RuntimeError:  # the app quit while this read ran: nothing to show it on
+            pass
 
     def _show(self, view: View, took: float) -> None:
         self.view, self.problem = view, ""
+        if not self.ref.endswith((".tar.gz", ".tgz")):
+            self.ref = view.run_id  # follow this run: one started later does not take over "latest"
         self.reads += 1
         self.query_one("#status", Static).update(Text(view.status_line + ("" if view.live else " · replay")))
         self.query_one("#curves-body", Static).update(view.curves)
