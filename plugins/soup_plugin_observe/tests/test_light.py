@@ -1,5 +1,5 @@
-"""``soup why``, ``soup bundle`` and ``soup runs plot`` import no torch, transformers, peft or trl (a fresh
-process each), with a control showing the probe sees such an import."""
+"""``soup why``, ``soup bundle``, ``soup runs plot`` and ``soup tui`` import no torch, transformers, peft or trl (a
+fresh process each), with a control showing the probe sees such an import."""
 
 from __future__ import annotations
 
@@ -28,11 +28,25 @@ except SystemExit as exc:
 print("CODE=" + str(code), file=sys.stderr)
 print("HEAVY=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(heavy))), file=sys.stderr)
 """
+#: ``soup tui RUN`` as the CLI starts it, its app run headless by textual's pilot until it has drawn the run, then q
+TUI_PROBE = PROBE.replace("from soup_core.cli.main import main", """import asyncio
+import soup_plugin_observe.tui as tui
+class Headless(tui.RunApp):
+    def run(self):
+        async def go():
+            async with self.run_test() as pilot:
+                while self.view is None:
+                    await pilot.pause(0.05)
+                assert self.view.steps > 0 and "loss:" in self.view.curves.plain, self.view
+                await pilot.press("q")
+        asyncio.run(go())
+tui.RunApp = Headless
+from soup_core.cli.main import main""")
 
 
-def heavy_imports(args: list[str], home: Path, pre_import: str = "") -> tuple[int, list[str]]:
+def heavy_imports(args: list[str], home: Path, pre_import: str = "", probe: str = PROBE) -> tuple[int, list[str]]:
     env = dict(os.environ, SOUP_HOME=str(home), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), json.dumps(HEAVY), pre_import],
+    proc = subprocess.run([sys.executable, "-c", probe, json.dumps(args), json.dumps(HEAVY), pre_import],
                           capture_output=True, text=True, env=env, timeout=120, cwd=home)
     code = [ln for ln in proc.stderr.splitlines() if ln.startswith("CODE=")]
     heavy = [ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY=")]
@@ -68,3 +82,12 @@ def test_the_commands_import_no_heavy_library(args: list[str], run_id: tuple[Pat
 def test_control_the_probe_sees_a_heavy_import(run_id: tuple[Path, str]) -> None:
     home, _ = run_id
     assert heavy_imports(["why"], home, pre_import="torch")[1] == ["torch"]
+
+
+@pytest.mark.parametrize("pre_import", ["", "torch"])
+def test_tui_imports_no_heavy_library(pre_import: str, run_id: tuple[Path, str]) -> None:
+    """The app on a run, drawn headless; with torch imported first, the control that the probe sees it."""
+    pytest.importorskip("textual")
+    home, rid = run_id
+    code, heavy = heavy_imports(["tui", rid], home, pre_import=pre_import, probe=TUI_PROBE)
+    assert code == 0 and heavy == ([pre_import] if pre_import else [])

@@ -1,6 +1,6 @@
-"""See a run: ``soup why`` (how a run ended, why, and what to change), crash bundles (``soup bundle``) and
-``soup runs plot``. Everything here reads a run's records (the tracker, its output folder, a bundle) and
-imports no torch."""
+"""See a run: ``soup why`` (how a run ended, why, and what to change), crash bundles (``soup bundle``),
+``soup runs plot`` and ``soup tui`` (a terminal dashboard of a run). Everything here reads a run's records (the
+tracker, its output folder, a bundle) and imports no torch."""
 
 from __future__ import annotations
 

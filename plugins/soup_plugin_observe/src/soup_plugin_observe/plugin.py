@@ -1,5 +1,5 @@
-"""The ``observe`` plugin: ``soup why``, ``soup bundle``, ``soup runs plot``, and the crash bundle a failed run
-writes. Registration is cheap: this module imports the core's contracts only."""
+"""The ``observe`` plugin: ``soup why``, ``soup bundle``, ``soup runs plot``, ``soup tui``, and the crash bundle a
+failed run writes. Registration is cheap: this module imports the core's contracts only."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ SOUP_HOOK_API = (1, 1)
 def soup_register_commands() -> list[Command]:
     from soup_plugin_observe.bundle_cmd import BUNDLE_HELP, bundle
     from soup_plugin_observe.plot_cmd import PLOT_HELP, plot
+    from soup_plugin_observe.tui_cmd import TUI_HELP, tui
     from soup_plugin_observe.why_cmd import WHY_HELP, why
 
     return [Command(name="why", target=why, help=WHY_HELP), Command(name="bundle", target=bundle, help=BUNDLE_HELP),
-            Command(name="runs plot", target=plot, help=PLOT_HELP)]
+            Command(name="runs plot", target=plot, help=PLOT_HELP), Command(name="tui", target=tui, help=TUI_HELP)]
 
 
 @hookimpl
