@@ -343,7 +343,7 @@ def diagnose(facts: RunFacts, *, now: float | None = None) -> Verdict:
             learned = ""
             if loss:
                 start, end = _ends([x for _, x in loss])
-                learned = f"loss {_num(start)} → {_num(end)}"
+                learned = f"loss {_num(start)} → {_num(end)}, the means of its first and last tenth of steps"
             bad = next((f for f in findings if f.kind in ("overfitting", "learned_nothing", "nonfinite_skipped",
                                                           "quarantine", "spikes")), None)
             if bad is None:
