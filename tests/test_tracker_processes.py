@@ -167,3 +167,29 @@ def test_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
     assert tracker.metrics(run_id) == [(1, {"loss": 3.0}), (2, {"loss": 2.0}), (3, {"loss": 1.0})]
     with sqlite3.connect(tracker.path) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+
+def test_a_database_another_process_is_creating_is_waited_for(tmp_path: Path) -> None:
+    """While another connection writes a database that is not WAL yet (a second process creating it), SQLite
+    refuses the switch to WAL at once, without its busy timeout; opening the tracker then waits instead of
+    failing with "database is locked" (two processes starting at once once failed so)."""
+    import threading
+
+    from soup_core.tracker import schema
+
+    path = tmp_path / "experiments.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE other (a)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO other VALUES (1)")
+    # control: SQLite alone refuses the switch at once while that write is open
+    plain = sqlite3.connect(path, isolation_level=None, timeout=30)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        plain.execute("PRAGMA journal_mode = WAL")
+    plain.close()
+    threading.Timer(0.5, lambda: writer.execute("COMMIT")).start()
+    started = time.monotonic()
+    conn = schema.connect(path, create=True)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal" and time.monotonic() - started >= 0.4
+    conn.close()
+    writer.close()

@@ -15,6 +15,7 @@ Facts about SQLite this module relies on:
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -111,10 +112,17 @@ def connect(path: Path, *, create: bool) -> sqlite3.Connection | None:
 
 
 def _ensure_wal(conn: sqlite3.Connection) -> None:
-    # The journal mode is stored in the file; switching needs a moment with no other writer.
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-    if str(mode).lower() != "wal":
-        conn.execute("PRAGMA journal_mode = WAL")
+    # The journal mode is stored in the file; switching needs a moment with no other writer. While another
+    # process writes a new file (before it is WAL), SQLite refuses the switch at once, without the busy timeout
+    # (it would deadlock otherwise): so wait here, as the busy timeout would.
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def migrate(conn: sqlite3.Connection, path: Path | str = "<database>") -> int:
