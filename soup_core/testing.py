@@ -428,7 +428,7 @@ PUBLIC_MODULES = frozenset({
     "soup_core", "soup_core.hookspecs", "soup_core.contracts", "soup_core.events", "soup_core.probes",
     "soup_core.testing", "soup_core.config", "soup_core.data", "soup_core.tracker", "soup_core.io",
     "soup_core.default_plugins.transformers", "soup_core.default_plugins.sft", "soup_core.default_plugins.formats",
-    "soup_core.default_plugins.chat_templates",
+    "soup_core.default_plugins.chat_templates", "soup_core.default_plugins.commands.console_log",
 })
 
 

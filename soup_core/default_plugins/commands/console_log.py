@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+__all__ = ["LOG_NAME", "run_part"]  # what a plugin reads; the writer is the core's
+
 LOG_NAME = "soup-output.log"
 HEADER = "=== soup run "
 #: what is kept in memory before the output folder is the run's (the plan, model loading): the newest part

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from soup_core.default_plugins.commands.console_log import LOG_NAME, run_part
+
 #: the run's console output in its output folder (``soup train`` keeps it; one header line per run)
-LOG_NAME = "soup-output.log"
-LOG_HEADER = "=== soup run "
 QUARANTINE_FILE = "quarantine.jsonl"
 #: how much of a log is read from its end (the run's part of a folder several runs resumed into)
 LOG_TAIL_BYTES = 4 << 20
@@ -67,15 +67,6 @@ class RunFacts:
         """The tracker row as a bundle keeps it."""
         return {k: getattr(self, k) for k in ("run_id", "status", "error", "config", "summary", "output_dir",
                                               "started_at", "ended_at", "pid", "host")}
-
-
-def run_part(text: str, run_id: str | None) -> str:
-    """The part of a log that run ``run_id`` wrote (all of it when no header names the run)."""
-    start = text.find(f"{LOG_HEADER}{run_id} ") if run_id else -1
-    if start < 0:
-        return text
-    end = text.find(f"\n{LOG_HEADER}", start + 1)
-    return text[start:] if end < 0 else text[start:end + 1]
 
 
 def read_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
