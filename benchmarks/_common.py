@@ -72,6 +72,15 @@ def record(name: str | Path, result: dict[str, Any], merge: Callable[[Any], Any]
     return path
 
 
+def soup(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``soup ARGS`` from this Python's environment, run in ``cwd``; its output, or exit with it when it fails."""
+    proc = subprocess.run([str(Path(sys.executable).with_name("soup")), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd)
+    if proc.returncode != 0:
+        raise SystemExit(f"soup {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def timed_process(cmd: list[str], env: dict[str, str] | None = None, *, expect: str | None = None,
                   cwd: str | None = None) -> tuple[float, float]:
     """(wall s, CPU s of the child: user + system) of one run of ``cmd``; stops the benchmark when it fails or

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -149,10 +148,7 @@ def main() -> None:
                   "training": training}
         (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
         _common.say(f"soup train ({name}) ...")
-        proc = subprocess.run([str(Path(sys.executable).with_name("soup")), "train", "-c", str(work / f"{name}.yaml")],
-                              capture_output=True, text=True, env=env, cwd=work)
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        proc = _common.soup("train", "-c", str(work / f"{name}.yaml"), env=env, cwd=work)
         kl = held_out_kl(teacher, student, out, held_rows)
         result["runs"][name] = {"task": task, "held_out_kl": round(kl, 5),
                                 "done": proc.stdout.strip().splitlines()[-1][:200]}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,14 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
 RESULTS = _common.RESULTS / "real_spike_guard.json"
-
-
-def soup(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    exe = Path(sys.executable).with_name("soup")
-    proc = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, cwd=cwd)
-    if proc.returncode != 0:
-        raise SystemExit(f"soup {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def held_out_rows(path: Path) -> Path:
@@ -87,18 +78,18 @@ def main() -> None:
             result[name] = {"done": "trained by an earlier call in this --work folder"}
             continue
         _common.say(f"soup train ({name}) ...")
-        proc = soup("train", "-c", str(config), env=env, cwd=work)
+        proc = _common.soup("train", "-c", str(config), env=env, cwd=work)
         result[name] = {"done": proc.stdout.strip().splitlines()[-1][:300]}
     quarantine = work / "guarded" / "output" / "quarantine.jsonl"
     found = [json.loads(line) for line in quarantine.read_text().splitlines()] if quarantine.is_file() else []
     result["guarded"]["quarantine"] = found
     report = work / "rewind.json"
-    soup("rewind", str(work / "guarded" / "output"), "--json", str(report), env=env, cwd=work)
+    _common.soup("rewind", str(work / "guarded" / "output"), "--json", str(report), env=env, cwd=work)
     rewind = json.loads(report.read_text())
     result["guarded"]["rewind_top_rows"] = [r["row"] for r in rewind.get("rows", [])[:3]]
     result["guarded"]["spikes"] = len(rewind.get("spikes", []))
     scores = work / "scores.json"
-    soup("eval", str(work / "guarded" / "output"), str(work / "clean" / "output"), "--data",
+    _common.soup("eval", str(work / "guarded" / "output"), str(work / "clean" / "output"), "--data",
          str(held_out_rows(work / "held_out_chat.jsonl")), "--json", str(scores), env=env, cwd=work)
     guarded_eval, clean_eval = json.loads(scores.read_text())["targets"]
     quarantined = sorted({int(entry["row"]) for entry in found})

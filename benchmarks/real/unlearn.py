@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,14 +41,6 @@ CAPITALS = {
 }
 HELD_PHRASINGS = ["Which city is the capital of {c}?", "Name the capital city of {c}."]
 METHODS = {"npo": "  unlearn_method: npo\n", "simnpo": "  unlearn_method: simnpo\n", "rmu": "  unlearn_method: rmu\n"}
-
-
-def soup(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(Path(sys.executable).with_name("soup")), *args], capture_output=True, text=True,
-                          env=env, cwd=cwd)
-    if proc.returncode != 0:
-        raise SystemExit(f"soup {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def write(path: Path, rows: list[dict]) -> Path:
@@ -76,7 +67,7 @@ def stated(target: str, facts: Path, env: dict[str, str], cwd: Path, name: str) 
         answers = greedy_answers(_BASE[0], _BASE[1], [r["prompt"] for r in rows])
         return [r["fact"].lower() in a.lower() for r, a in zip(rows, answers, strict=True)]
     out = cwd / f"answers-{name}.json"
-    soup("eval", target, "--facts", str(facts), "--json", str(out), env=env, cwd=cwd)
+    _common.soup("eval", target, "--facts", str(facts), "--json", str(out), env=env, cwd=cwd)
     [result] = json.loads(out.read_text())["targets"]
     return [bool(r["hit"]) for r in result["results"]]
 
@@ -133,7 +124,7 @@ def main() -> None:
             f"  max_length: 64\ntraining:\n{METHODS[method]}  learning_rate: 0.003\n  batch_size: 4\n"
             f"  max_steps: 60\n  logging_steps: 10\n  dtype: float32\n{lora}", encoding="utf-8")
         _common.say(f"soup train ({method}) ...")
-        soup("train", "-c", str(work / f"{method}.yaml"), env=env, cwd=work)
+        _common.soup("train", "-c", str(work / f"{method}.yaml"), env=env, cwd=work)
         hits_f, hits_r = stated(str(out), forget_q, env, work, f"{method}-f"), stated(str(out), retain_q, env, work,
                                                                                      f"{method}-r")
         got = {"forget_recall": share(hits_f), "retain_recall": share(hits_r),
