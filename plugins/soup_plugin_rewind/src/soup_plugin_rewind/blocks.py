@@ -26,6 +26,18 @@ except ImportError:  # pragma: no cover - exercised only where orjson is absent
     fast_loads = json.loads
 
 
+def numpy_module() -> Any:
+    """numpy when it is installed (it comes with the training stack, not with the light install), else None.
+    Only the row view's reading (``sightings``) uses it: its column arithmetic is then done in C over whole
+    arrays, where the pure-Python passes cost as much as the reading itself; without it the same results
+    come from those passes (the tests hold the two equal)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - exercised only where numpy is absent
+        return None
+    return numpy
+
+
 @dataclass
 class Sightings:
     """Every measured sighting of a row (an entry with supervised tokens and a finite loss), in step order:
@@ -83,14 +95,16 @@ _BATCH_KEYS = itemgetter("kind", "step", "micro", "rows", "row_loss", "row_token
 
 def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, loss_sum: array, tokens: array,
                 nonfinite: bytearray, first_off: array, end_off: array,
-                sight: Sightings | None) -> tuple[int, bool, int] | None:
+                sight: Sightings | None, np: Any = None) -> tuple[int, bool, int] | None:
     """Total a block of batch lines with one parse and C-level passes; None (nothing changed) when any line
     is not a well-formed batch with finite losses (a blank, corrupt or truncated line, another kind, a null
     loss, a wrong type), which the caller then reads line by line. Returns (last step, in order, lines).
 
     Exactly the line-by-line checks, done on whole columns: ``array("Q")`` refuses what is not a
     non-negative int (a float, None, a string, a negative number), ``array("d")`` what is not a number;
-    JSON ``true``/``false`` (which both would take for 1 and 0) sends the block line by line.
+    JSON ``true``/``false`` (which both would take for 1 and 0) sends the block line by line. With ``np``
+    (numpy, while reading sightings) the line totals and the sightings' step column of a block whose lines
+    all hold the same number of rows are computed on whole columns (:func:`_np_block`).
     """
     joined = b",".join(lines)
     # JSON true/false (which array() would take for 1 and 0): a batch line's keys hold no "u" and no "f", its
@@ -112,8 +126,13 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
         flat_rows = array("Q", chain.from_iterable(rows))
         flat_toks = array("Q", chain.from_iterable(toks))
         flat_loss = array("d", chain.from_iterable(losses))
-        line_tok = list(map(sum, toks))
-        line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+        by_np = _np_block(np, flat_loss, flat_toks, step_of, lens) if np is not None and sight is not None else None
+        if by_np is not None:
+            line_loss, line_tok, step_col = by_np
+        else:
+            line_tok = list(map(sum, toks))
+            line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+            step_col = None
     except (ValueError, TypeError, KeyError, OverflowError):  # orjson's JSONDecodeError is a ValueError
         return None
     total = sum(line_loss)
@@ -130,7 +149,7 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
         first_off.extend(ends[:-1])
         end_off.extend(ends[1:])
         cur = step_of[-1]
-        _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+        _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks, step_col)
         return cur, True, n
     ordered = True
     off = block_start
@@ -151,21 +170,48 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
             first_off.append(start)
             end_off.append(off)
             cur = step
-    _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+    _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks, step_col)
     return cur, ordered, n
+
+
+def _np_block(np: Any, flat_loss: array, flat_toks: array, step_of: Sequence[int],
+              lens: list[int]) -> tuple[array, array, array | None] | None:
+    """A block's per-line loss x tokens sums and token counts, and its sightings' step column (None when some
+    entry has no tokens: those lines go entry by entry), from whole columns; None (the caller's Python path)
+    unless every line holds the same number k > 0 of rows.
+
+    The same arithmetic as the line-by-line reader, bit for bit: each product is ``loss * float(tokens)``
+    (exact: the tokens are integers under 2**53, checked), and a line's sum runs left to right from 0.0
+    (``np.add.accumulate`` adds in order; ``np.add.reduce`` would sum in pairs). Its first partial is the
+    first product itself, so adding 0.0 at the end gives 0.0 + (-0.0) = 0.0 as a sum that starts from 0.0 does
+    (a non-zero partial is never -0.0 afterwards, and x + 0.0 = x)."""
+    n, k = len(lens), lens[0]
+    if not k or lens.count(k) != n:
+        return None
+    tok2 = np.frombuffer(flat_toks, dtype=np.uint64).reshape(n, k)
+    if int(tok2.max()) >= 1 << 53:
+        return None
+    prod = np.frombuffer(flat_loss, dtype=np.float64).reshape(n, k) * tok2
+    line_loss = array("d", (np.add.accumulate(prod, axis=1)[:, -1] + 0.0).tobytes())
+    line_tok = array("q", tok2.sum(axis=1, dtype=np.int64).tobytes())
+    step_col = None
+    if int(tok2.min()) > 0:
+        step_col = array("Q", np.repeat(np.array(step_of, dtype=np.uint64), k).tobytes())
+    return line_loss, line_tok, step_col
 
 
 def _block_sightings(sight: Sightings | None, step_of: Sequence[int], rows: Sequence[list[int]],
                      losses: Sequence[list[Any]], toks: Sequence[list[int]], lens: list[int], flat_rows: array,
-                     flat_loss: array, flat_toks: array) -> None:
-    """A block's measured entries into ``sight``: its columns as they are when no entry has zero tokens."""
+                     flat_loss: array, flat_toks: array, step_col: array | None = None) -> None:
+    """A block's measured entries into ``sight``: its columns as they are when no entry has zero tokens
+    (``step_col``: the step column, already made, which says so)."""
     if sight is None:
         return
-    if min(flat_toks, default=1) > 0:
+    if step_col is not None or min(flat_toks, default=1) > 0:
         sight.row.extend(flat_rows)
         sight.tokens.extend(flat_toks)
         sight.loss.extend(flat_loss)
-        sight.step.extend(array("Q", chain.from_iterable(map(repeat, step_of, lens))))
+        sight.step.extend(step_col if step_col is not None else array("Q", chain.from_iterable(map(repeat, step_of, lens))))
     else:
         for step, r, x, t in zip(step_of, rows, losses, toks, strict=True):
             add_sightings(sight, step, r, x, t, 0)

@@ -345,6 +345,7 @@ def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFi
     guards: list[dict[str, Any]] = []
     n_batches = 0
     sight = Sightings() if sightings else None
+    np = _blocks.numpy_module() if sightings else None
     cur = -1  # the step of the last entry
     ordered = True
     off = 0
@@ -360,7 +361,7 @@ def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFi
             for block_start, lines in _blocks.blocks(fh):
                 if header is not None:
                     fast = _blocks.fast_block(lines, block_start, cur, steps, loss_sum, tokens, nonfinite,
-                                              first_off, end_off, sight)
+                                              first_off, end_off, sight, np)
                     if fast is not None:  # every line a well-formed batch: totalled in C, no per-line checks
                         cur, in_order, n = fast
                         ordered = ordered and in_order
