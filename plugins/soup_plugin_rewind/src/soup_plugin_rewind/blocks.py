@@ -182,6 +182,9 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
     return cur, ordered, n
 
 
+_RUN = 1 << 18  # sightings a run holds before it is flushed: numpy's temporaries stay a few MB
+
+
 class Columns:
     """The row view's reading with numpy: a run of blocks of one line per step, in order, every line with the
     same number k of rows (a log without gradient accumulation) is taken as it comes: its row, token and loss
@@ -225,6 +228,8 @@ class Columns:
         nonfinite.extend(bytes(n))
         first_off.extend(ends[:-1])
         end_off.extend(ends[1:])
+        if len(sight.row) - self.sight_start >= _RUN:
+            self.flush(steps, loss_sum, tokens, sight)
         return step_of[-1], True, n
 
     def flush(self, steps: array, loss_sum: array, tokens: array, sight: Sightings) -> None:
@@ -259,7 +264,7 @@ class Columns:
             prod = np.frombuffer(sight.loss, dtype=np.float64)[s0:].reshape(-1, k) * tok
             line_loss = array("d", (np.add.accumulate(prod, axis=1)[:, -1] + 0.0).tobytes())
         line_tok = array("q", tok.sum(axis=1, dtype=np.int64).tobytes())
-        step_col = array("Q", np.repeat(np.frombuffer(steps, dtype=np.int64)[t0:], k).astype(np.uint64).tobytes())
+        step_col = array("Q", np.repeat(np.frombuffer(steps, dtype=np.int64)[t0:], k).tobytes())  # steps >= 1
         keep = (tok.reshape(-1) > 0).tolist() if int(tok.min()) == 0 else None
         return line_loss, line_tok, step_col, keep
 
