@@ -235,6 +235,11 @@ def test_the_numpy_reading_keeps_every_bit_of_the_python_readings(
     monkeypatch.setattr(block_reader.Columns, "flush", counting)
     by_np = read_log(path, sightings=True)
     assert {9, 3} <= set(flushed)  # the control: runs of both widths were taken by the columns
+    monkeypatch.setattr(block_reader, "_RUN", 500)  # runs flushed part way, as a long log's are
+    flushed.clear()
+    by_np_parts = read_log(path, sightings=True)
+    assert len(flushed) > 10 and by_np_parts.sightings == by_np.sightings
+    assert bytes(by_np_parts.loss_sum) == bytes(by_np.loss_sum) and by_np_parts.tokens == by_np.tokens
     monkeypatch.setattr(block_reader, "numpy_module", lambda: None)
     by_map = read_log(path, sightings=True)
     monkeypatch.setattr(block_reader, "fast_block", lambda *args: None)
