@@ -170,7 +170,7 @@ def main() -> None:
     if len(by_order) > 1:
         values = list(by_order.values())
         held["order_spread"] = round((max(values) - min(values)) / min(values), 5)  # (max - min) / min
-        held["guarded_gap_to_nearest_order"] = round(min(losses["guarded"] / v - 1 for v in values), 5)
+        held["guarded_gap_to_nearest_order"] = round(min((losses["guarded"] / v - 1 for v in values), key=abs), 5)
     result["held_out"] = held
     result["goals"] = {"quarantined_rows": quarantined, "only_the_poisoned_row": quarantined == [qs.POISONED_ROW],
                        "rewind_first": result["guarded"]["rewind_top_rows"][:1] == [qs.POISONED_ROW],
