@@ -23,7 +23,8 @@ Measured on the held-out questions, for the base and for each run:
 Usage: python benchmarks/real/preference.py [--only dpo,ipo,simpo] [--beta B] [--lr LR] [--epochs N] [--record]
        (about 10 minutes on 2 CPUs for the three methods; offline; settings other than the defaults are recorded
        beside them in the same file). ``--smoke``: the same code path on the small pretrained test model, a few
-       pairs and 2 steps of dpo, the result printed (never recorded).
+       pairs and 2 steps of dpo, the result printed (never recorded). ``--base DIR``: a model folder in place of
+       the real model (or, with ``--smoke``, of the test model).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ MARKER = "In short:"
 METHODS = ("dpo", "ipo", "simpo")
 TRAIN = [
     ("What is photosynthesis?", "Plants use sunlight, water and carbon dioxide to make sugar and release oxygen."),
-    ("Why is the sky blue?", "Air scatters blue sunlight more than red, so blue light reaches us from every direction."),
+    ("Why is the sky blue?",
+     "Air scatters blue sunlight more than red, so blue light reaches us from every direction."),
     ("Who wrote Hamlet?", "William Shakespeare wrote Hamlet around 1600."),
     ("What is a prime number?", "A whole number above 1 that only 1 and itself divide."),
     ("What does a compiler do?", "It translates source code into machine code a computer can run."),
@@ -54,7 +56,8 @@ TRAIN = [
     ("How many legs does a spider have?", "A spider has eight legs."),
     ("What is the boiling point of water?", "Water boils at 100 degrees Celsius at sea level."),
     ("What is gravity?", "Gravity is the force that pulls masses toward each other."),
-    ("Why do leaves change colour in autumn?", "The green chlorophyll breaks down and shows the yellow and red pigments."),
+    ("Why do leaves change colour in autumn?",
+     "The green chlorophyll breaks down and shows the yellow and red pigments."),
     ("What is an atom?", "The smallest unit of a chemical element, a nucleus with electrons around it."),
     ("What is the largest ocean?", "The Pacific Ocean is the largest."),
     ("What do bees make?", "Bees make honey and wax."),
@@ -165,6 +168,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, help="training.epochs (default: the core's, 3)")
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, 2 steps of dpo")
+    parser.add_argument("--base", help="a model folder in place of the real model (with --smoke: of the test model)")
     args = parser.parse_args()
     import torch
     import yaml
@@ -180,8 +184,10 @@ def main() -> None:
     if args.smoke:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
-        base, model_name = str(tiny_pretrained_dir()), "tiny_pretrained"
+        base, model_name = args.base or str(tiny_pretrained_dir()), "tiny_pretrained"
         train_qa, held_qa, methods = TRAIN[:4], HELD_OUT[:2], ["dpo"]
+    elif args.base:
+        base, model_name = args.base, Path(args.base).name
     else:
         from soup_core.default_plugins.commands.quickstart_real import gguf_path
         from soup_core.default_plugins.transformers import resolve_base
