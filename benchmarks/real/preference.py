@@ -21,10 +21,11 @@ Measured on the held-out questions, for the base and for each run:
   reward margin over beta). Goal: it grows.
 
 Usage: python benchmarks/real/preference.py [--only dpo,ipo,simpo] [--beta B] [--lr LR] [--epochs N] [--record]
-       (about 10 minutes on 2 CPUs for the three methods; offline; settings other than the defaults are recorded
-       beside them in the same file). ``--smoke``: the same code path on the small pretrained test model, a few
-       pairs and 2 steps of dpo, the result printed (never recorded). ``--base DIR``: a model folder in place of
-       the real model (or, with ``--smoke``, of the test model).
+       (offline; about 40 minutes for the three methods on one thread of a 2-core machine shared with other jobs,
+       at load 11 to 13; settings other than the defaults are recorded beside them in the same file).
+       ``--smoke``: the same code path on the small pretrained test model, a few pairs and 2 steps of dpo, the
+       result printed (never recorded). ``--base DIR``: a model folder in place of the real model (or, with
+       ``--smoke``, of the test model).
 """
 
 from __future__ import annotations
