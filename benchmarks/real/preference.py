@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -206,8 +207,9 @@ def main() -> None:
     settings = {k: v for k, v in (("beta", args.beta), ("learning_rate", args.lr), ("epochs", args.epochs))
                 if v is not None}
     suffix = "".join(f" {k}={v:g}" for k, v in settings.items())
-    result: dict[str, Any] = {"benchmark": "real_preference", "model": model_name, "marker": MARKER,
-                              "train_pairs": len(train_rows), "held_out_pairs": len(held_rows), "runs": {}}
+    result: dict[str, Any] = {"benchmark": "real_preference", "smoke": args.smoke, "model": model_name,
+                              "marker": MARKER, "train_pairs": len(train_rows), "held_out_pairs": len(held_rows),
+                              "runs": {}}
 
     _common.say("the base answers the held-out questions ...")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
@@ -255,6 +257,8 @@ def main() -> None:
     result["control_base_fails"] = result["base"]["follows"] < 0.80
     result.update(_common.machine(torch=torch.__version__))
     print(json.dumps(result, indent=2))
+    if args.smoke:  # nothing of a smoke run is kept
+        shutil.rmtree(work, ignore_errors=True)
     if args.record and not args.smoke:  # runs at other settings are kept beside the defaults' runs
         def merge(old: Any) -> dict[str, Any]:
             runs = {**(old or {}).get("runs", {}), **result["runs"]} if isinstance(old, dict) else result["runs"]
