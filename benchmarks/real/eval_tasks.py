@@ -2,8 +2,11 @@
 quickstart's held-out facts, the base and the trained model side by side.
 
 The trained model: the quickstart's recipe (``soup quickstart``'s rows, teaching SmolLM2-135M-Instruct the name
-"Basil"; LoRA r 8, learning rate 5e-4, batch 4, float32, seed 0) cut to its first ``--steps`` steps (default 12
-of 51), or an earlier run's output folder (``--run``). The tasks are written into a temporary folder (YAML, JSON
+"Basil"; LoRA r 8, batch 4, float32, seed 0) cut as ``mlx_answers.py`` cuts it (24 of its 51 steps, the peak
+learning rate raised to keep the schedule's area: 5e-4 x 51 / 24), or an earlier run's output folder (``--run``,
+e.g. the transformers run of ``mlx_answers.py --work DIR``: ``DIR/transformers/output``).
+
+The tasks are written into a temporary folder (YAML, JSON
 Lines and a scoring function; nothing is downloaded), each question as one user turn rendered with the run's
 chat template, answered greedily by lm-eval (``generate_until``, at most 48 new tokens, as ``soup eval --facts``
 answers), and scored as ``soup eval --facts`` scores (the fact appears in the answer, case-insensitive):
@@ -95,7 +98,8 @@ def write_tasks(folder: Path, tokenizer_dir: Path) -> dict[str, int]:
 
 
 def train(base: Path, work: Path, steps: int, env: dict[str, str]) -> Path:
-    """The quickstart's recipe cut to ``steps``, on the transformers backend; its output folder."""
+    """The quickstart's recipe cut to ``steps`` (the learning rate keeping the full schedule's area), on the
+    transformers backend; its output folder."""
     import yaml
 
     from soup_core.default_plugins.commands import quickstart_real
@@ -104,6 +108,7 @@ def train(base: Path, work: Path, steps: int, env: dict[str, str]) -> Path:
     config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     if steps:
         config["training"]["max_steps"] = steps
+        config["training"]["learning_rate"] = 5e-4 * 51 / steps  # the recipe's 5e-4 over its 51 steps
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
     _common.say(f"soup train ({steps or 'all'} steps of the quickstart's recipe) ...")
     _common.soup("train", "--config", str(config_path), "--overwrite", env=env, cwd=work)
@@ -113,7 +118,7 @@ def train(base: Path, work: Path, steps: int, env: dict[str, str]) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, default=None, help="a trained quickstart run's output folder")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps of the recipe (0: the full recipe)")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of the recipe (0: the full recipe)")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, 2 steps")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small model's folder")
     parser.add_argument("--record", action="store_true")

