@@ -6,10 +6,10 @@ The trained model: the quickstart's recipe (``soup quickstart``'s rows, teaching
 learning rate raised to keep the schedule's area: 5e-4 x 51 / 24), or an earlier run's output folder (``--run``,
 e.g. the transformers run of ``mlx_answers.py --work DIR``: ``DIR/transformers/output``).
 
-The tasks are written into a temporary folder (YAML, JSON
-Lines and a scoring function; nothing is downloaded), each question as one user turn rendered with the run's
-chat template, answered greedily by lm-eval (``generate_until``, at most 48 new tokens, as ``soup eval --facts``
-answers), and scored as ``soup eval --facts`` scores (the fact appears in the answer, case-insensitive):
+The tasks are written into a temporary folder (YAML, JSON Lines and a scoring function; nothing is downloaded),
+each question as one user turn rendered with the run's chat template, answered greedily by lm-eval
+(``generate_until``, at most 48 new tokens, as ``soup eval --facts`` answers), and scored as ``soup eval --facts``
+scores (the fact appears in the answer, case-insensitive):
 
 - ``soup_name``: the quickstart's 24 held-out name questions, fact "Basil" (phrasings no row trained on);
 - ``soup_retain``: its 23 retain questions, each with its key fact (what the model must keep);

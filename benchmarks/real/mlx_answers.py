@@ -6,7 +6,7 @@ while keeping what it knew; LoRA r 8, alpha 16, linear schedule, batch 4, float3
 ``--steps`` optimizer steps (default 24 of the full run's 51: ``training.max_steps``, so the linear schedule
 decays over those steps) with the peak learning rate raised so the area under the schedule stays the full
 recipe's (5e-4 x 51 / 24 = 1.06e-3; ``--learning-rate`` sets another). Cut the same way on both sides. 12 steps
-at the recipe's 5e-4 taught nothing (0 of 24 held-out answers said "Basil"). The full recipe on the mlx backend
+at the recipe's 5e-4 taught nothing (none of the 24 held-out name questions answered "Basil"). The full recipe on the mlx backend
 does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
 
 Measure: each trained adapter's greedy answers (48 new tokens, as ``soup eval --facts`` answers, with the run's
