@@ -4,10 +4,10 @@ answers.
 The recipe is the quickstart's (``soup quickstart``: its rows, teaching SmolLM2-135M-Instruct the name "Basil"
 while keeping what it knew; LoRA r 8, alpha 16, linear schedule, batch 4, float32, seed 0), cut to its first
 ``--steps`` optimizer steps (default 24 of the full run's 51: ``training.max_steps``, so the linear schedule
-decays over those steps) with the peak learning rate raised so the area under the schedule stays the full
-recipe's (5e-4 x 51 / 24 = 1.06e-3; ``--learning-rate`` sets another). Cut the same way on both sides. 12 steps
-at the recipe's 5e-4 taught nothing (none of the 24 held-out name questions answered "Basil"). The full recipe on the mlx backend
-does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
+decays over those steps) with the peak learning rate raised so the area under the schedule stays the full recipe's
+(5e-4 x 51 / 24 = 1.06e-3; ``--learning-rate`` sets another). Cut the same way on both sides. 12 steps at the
+recipe's 5e-4 taught nothing (none of the 24 held-out name questions answered "Basil"). The full recipe on the mlx
+backend does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
 
 Measure: each trained adapter's greedy answers (48 new tokens, as ``soup eval --facts`` answers, with the run's
 chat template) to the quickstart's 24 held-out name questions (the share that states "Basil") and its 23 retain
