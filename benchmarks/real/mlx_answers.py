@@ -78,7 +78,7 @@ def train(backend: str, base: Path, work: Path, steps: int, learning_rate: float
             _common.soup("export", str(folder / "output"), "--to", "peft", "-o", str(adapter), env=env, cwd=folder)
         (folder / "train_seconds.txt").write_text(f"{seconds:.1f}\n", encoding="utf-8")
     log = (folder / "output" / "soup-output.log").read_text(encoding="utf-8", errors="replace")
-    rates = [float(r) for r in re.findall(r"^step \d+/\d+ .* ([\d.]+) tok/s", log, flags=re.M)]
+    rates = [float(r.replace(",", "")) for r in re.findall(r"^step \d+/\d+ .* ([\d,.]+) tok/s", log, flags=re.M)]
     losses = [float(x) for x in re.findall(r"^step \d+/\d+\s+loss ([\d.]+)", log, flags=re.M)]
     return {"adapter": adapter, "train_seconds": float((folder / "train_seconds.txt").read_text()),
             "steps": len(losses), "first_loss": losses[0] if losses else None,
