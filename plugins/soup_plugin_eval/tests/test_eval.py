@@ -109,6 +109,7 @@ def test_val_scores_the_runs_validation_split(in_home: Runs, tmp_path: Path, tin
     (["--val"], 1, "held out no validation rows"),
     (["--data", "missing.jsonl"], 1, "no such file"),
     (["--data", "x.jsonl", "--limit", "3"], 2, "go with --tasks"),
+    (["--data", "x.jsonl", "--base"], 2, "go with --tasks"),
 ])
 def test_usage_errors(in_home: Runs, args: list[str], code: int, message: str) -> None:
     result = invoke(eval_, [str(in_home.lora.output_dir), *args])

@@ -71,3 +71,20 @@ def test_local_task_equals_simple_evaluate(in_home: Runs, task_dir: Path, tmp_pa
     got = json.loads(report.read_text(encoding="utf-8"))["targets"][0]["results"]["soup_sums"]
     assert got["perplexity"] == expected["perplexity,none"]
     assert got["acc"] == expected["acc,none"]
+
+
+def test_base_beside_trained(in_home: Runs, task_dir: Path, tmp_path: Path, tiny_model: Path) -> None:
+    """--base: the first column is the base (the adapter turned off), equal to lm-eval on the base loaded by hand;
+    the trained model's column is the adapter's own (the two differ: the control)."""
+    out = in_home.lora.output_dir
+    report = tmp_path / "tasks.json"
+    result = invoke(eval_, [str(out), "--tasks", "soup_sums", "--include-path", str(task_dir), "--batch-size", "4",
+                            "--base", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    base, trained = json.loads(report.read_text(encoding="utf-8"))["targets"]
+    assert (base["label"], base["run_id"]) == ("base", None)
+    assert base["results"]["soup_sums"]["perplexity"] == direct(tiny_model, out, None, task_dir)["perplexity,none"]
+    assert trained["results"]["soup_sums"]["perplexity"] == direct(tiny_model, out, out, task_dir)["perplexity,none"]
+    assert base["results"]["soup_sums"]["perplexity"] != trained["results"]["soup_sums"]["perplexity"]
+    header = next(line for line in result.output.splitlines() if "metric" in line)
+    assert header.index("base") < header.index(trained["label"][:10])  # side by side, the base first

@@ -24,6 +24,7 @@ EVAL_HELP = f"""Loss and perplexity on held-out rows, with exactly the training 
   soup eval latest --facts questions.jsonl --json answers.json     share of answers that state their fact
   soup eval out/checkpoint-20 out/checkpoint-40 out --data held_out.jsonl --json scores.json
   soup eval latest --tasks my_task --include-path tasks/    benchmarks: lm-evaluation-harness
+  soup eval latest --tasks my_task --include-path tasks/ --base    the base beside the trained model
 
 The rows are read and encoded as the run's task reads and encodes training rows (its formats, chat template, \
 data.max_length, train_on_responses_only), so each row's loss is the mean cross-entropy over the same \
@@ -81,6 +82,8 @@ def eval_(
                                              "lm-evaluation-harness task YAML files (local tasks)."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="With --tasks: at most this many documents "
                                      "per task."),
+    base: bool = typer.Option(False, "--base", help="With --tasks: also score the base model (the first "
+                              "target's LoRA adapter turned off), in a column beside the targets."),
     batch_size: int | None = typer.Option(None, "--batch-size", min=1, help="Rows scored together (default 8; "
                                           "with --facts 16, as soup quickstart answers)."),
 ) -> None:
@@ -89,15 +92,15 @@ def eval_(
     def body() -> None:
         if sum([data is not None, val, tasks is not None, facts is not None]) != 1:
             raise Fail("give one of --data FILE, --val, --facts FILE or --tasks NAME[,NAME]", 2)
-        if (include_path is not None or limit is not None) and tasks is None:
-            raise Fail("--include-path and --limit go with --tasks", 2)
+        if (include_path is not None or limit is not None or base) and tasks is None:
+            raise Fail("--include-path, --limit and --base go with --tasks", 2)
         if data is not None and not data.is_file():
             raise Fail(f"--data {data}: no such file")
         if tasks is not None:
             from soup_plugin_eval.harness import run_tasks
 
             results = run_tasks(targets, [t.strip() for t in tasks.split(",") if t.strip()],
-                                include_path=include_path, limit=limit, batch_size=batch_size or 8)
+                                include_path=include_path, limit=limit, batch_size=batch_size or 8, base=base)
             _report_tasks(results, json_path)
             return
         if facts is not None:
@@ -201,27 +204,43 @@ def _answer_facts(targets: list[str], path: Path, json_path: Path | None, batch_
 
 
 def _report_tasks(results: list[tuple[Any, dict[str, dict[str, Any]]]], json_path: Path | None) -> None:
+    """One row per task and metric, one column per model (``value ± stderr``), side by side; the base (a
+    result without a target) first, labelled ``base``."""
     from rich.table import Table
 
     from soup_core import atomic_write, console
 
+    def label(spec: Any) -> str:
+        return "base" if spec is None else spec.label
+
     table = Table(title="soup eval --tasks (lm-evaluation-harness)")
-    for column in ("target", "task", "metric", "value", "stderr"):
-        table.add_column(column, justify="right" if column in ("value", "stderr") else "left")
-    for spec, per_task in results:
+    table.add_column("task")
+    table.add_column("metric")
+    for spec, _ in results:
+        table.add_column(label(spec), justify="right")
+    rows: dict[tuple[str, str], None] = {}  # each (task, metric) in the order the results give them
+    for _, per_task in results:
         for task, metrics in per_task.items():
             for metric, value in metrics.items():
-                if metric.endswith("_stderr") or not isinstance(value, int | float):
-                    continue
-                err = metrics.get(f"{metric}_stderr")
-                table.add_row(spec.label, task, metric, f"{value:.4g}",
-                              f"{err:.4g}" if isinstance(err, int | float) else "-")
-        _store(spec, f"eval tasks {','.join(per_task)} @ {spec.weights.name}",
-               "; ".join(f"{task} {m} {v:.4g}" for task, ms in per_task.items() for m, v in ms.items()
-                         if isinstance(v, int | float) and not m.endswith("_stderr")))
+                if not metric.endswith("_stderr") and isinstance(value, int | float):
+                    rows.setdefault((task, metric))
+    for task, metric in rows:
+        cells = []
+        for _, per_task in results:
+            value = per_task.get(task, {}).get(metric)
+            err = per_task.get(task, {}).get(f"{metric}_stderr")
+            cells.append("-" if not isinstance(value, int | float) else f"{value:.4g}"
+                         + (f" ± {err:.2g}" if isinstance(err, int | float) else ""))
+        table.add_row(task, metric, *cells)
+    for spec, per_task in results:
+        if spec is not None:
+            _store(spec, f"eval tasks {','.join(per_task)} @ {spec.weights.name}",
+                   "; ".join(f"{task} {m} {v:.4g}" for task, ms in per_task.items() for m, v in ms.items()
+                             if isinstance(v, int | float) and not m.endswith("_stderr")))
     console.print(table)
     if json_path is not None:
-        payload = {"targets": [{"target": spec.spec, "label": spec.label, "run_id": spec.run_id, "results": per_task}
+        payload = {"targets": [{"target": "base" if spec is None else spec.spec, "label": label(spec),
+                                "run_id": None if spec is None else spec.run_id, "results": per_task}
                                for spec, per_task in results]}
         atomic_write(json_path, json.dumps(payload, indent=1, default=str) + "\n")
         status(f"wrote {json_path}")

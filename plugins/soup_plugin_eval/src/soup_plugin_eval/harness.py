@@ -2,7 +2,8 @@
 
 lm-eval is an optional extra (``pip install "soup-plugin-eval[harness]"``). The target is loaded as ``soup
 generate`` loads it (the run's base, adapter and tokenizer with its chat template), and lm-eval's ``HFLM`` wraps
-that object, so what is scored is exactly the trained model. ``--include-path`` adds a folder of task YAML
+that object, so what is scored is exactly the trained model; ``--base`` scores the same object with its adapter
+turned off first (the base), shown beside it. ``--include-path`` adds a folder of task YAML
 files; a task whose ``dataset_path`` is ``json`` over local files runs offline.
 """
 
@@ -41,29 +42,42 @@ def harness_model(loaded: Any, batch_size: int) -> Any:
     return HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size)
 
 
+def _evaluate(loaded: Any, tasks: list[str], manager: Any, limit: int | None,
+              batch_size: int) -> dict[str, dict[str, Any]]:
+    """lm-eval's results for one loaded model: task -> metric -> value (``<metric>_stderr`` beside each)."""
+    from lm_eval import simple_evaluate
+
+    out = simple_evaluate(model=harness_model(loaded, batch_size), tasks=tasks, task_manager=manager,
+                          limit=limit, log_samples=False)
+    return {task: {key.split(",")[0]: value for key, value in metrics.items() if key != "alias" and "," in key}
+            for task, metrics in out["results"].items()}
+
+
 def run_tasks(targets: list[str], tasks: list[str], *, include_path: Path | None, limit: int | None,
-              batch_size: int) -> list[tuple[Any, dict[str, dict[str, Any]]]]:
-    """Each target's lm-eval results: task -> metric -> value (``<metric>_stderr`` beside each)."""
+              batch_size: int, base: bool = False) -> list[tuple[Any, dict[str, dict[str, Any]]]]:
+    """Each target's lm-eval results: task -> metric -> value (``<metric>_stderr`` beside each). With ``base``,
+    first the base model of the first target (a LoRA adapter): the same loaded model with its adapter turned
+    off, so base and trained are scored by one load, one tokenizer and one chat template; its entry's target
+    is None."""
     manager = _task_manager(include_path, tasks)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else "; add a folder of task YAML files with --include-path"
         raise TargetError(f"--tasks: no lm-eval task named {', '.join(unknown)} among lm-eval's own{where}")
-    from lm_eval import simple_evaluate
-
     from soup_plugin_eval.cli import load_target
 
-    results = []
-    for spec_text in targets:
+    results: list[tuple[Any, dict[str, dict[str, Any]]]] = []
+    for i, spec_text in enumerate(targets):
         spec, loaded = load_target(spec_text)
         if loaded.engine != "transformers":
             raise TargetError(f"{spec.label}: lm-evaluation-harness scores transformers models; convert the mlx "
                               "adapter first: soup export ADAPTER --to peft -o OUT")
-        out = simple_evaluate(model=harness_model(loaded, batch_size), tasks=tasks, task_manager=manager,
-                              limit=limit, log_samples=False)
-        per_task = {task: {key.split(",")[0]: value
-                           for key, value in metrics.items() if key != "alias" and "," in key}
-                    for task, metrics in out["results"].items()}
-        results.append((spec, per_task))
+        if base and i == 0:
+            if spec.kind != "adapter":
+                raise TargetError(f"--base scores the first target's adapter turned off; {spec.label} is a whole "
+                                  "model, not a LoRA adapter: give the base's own run as a target instead")
+            with loaded.model.disable_adapter():
+                results.append((None, _evaluate(loaded, tasks, manager, limit, batch_size)))
+        results.append((spec, _evaluate(loaded, tasks, manager, limit, batch_size)))
         del loaded
     return results
