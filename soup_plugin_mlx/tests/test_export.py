@@ -54,12 +54,22 @@ def test_trained_adapter_exports_to_peft_with_the_same_logits(
         },
     )
     mlx_logits = _mlx_logits(tiny_model, result.output)
+    # the run's config as soup train leaves it to be found (run_backend trains without the CLI)
+    config_text = next(tmp_path.glob("soup-*.yaml")).read_text(encoding="utf-8")
+    (result.output / "soup_config.yaml").write_text(config_text, encoding="utf-8")
     peft_dir = tmp_path / "peft"
     assert _soup(["export", result.output, "--to", "peft", "-o", peft_dir]) == 0
     assert "Wrote a PEFT adapter" in capsys.readouterr().out
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 12, str(tiny_model))
     assert len(config["target_modules"]) == 4  # q_proj and down_proj in 2 layers
+    # the folder is a Soup run of the same recipe on transformers, so soup eval/generate take it
+    from soup_core.tracker import run_of_folder
+
+    assert run_of_folder(result.output).config["backend"] == "mlx"
+    exported = run_of_folder(peft_dir)
+    assert exported is not None and exported.config["backend"] == "transformers"
+    assert exported.config["base"] == run_of_folder(result.output).config["base"]
 
     import torch
     from peft import PeftModel

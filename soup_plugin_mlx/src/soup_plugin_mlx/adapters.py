@@ -315,4 +315,22 @@ def export_peft(
         for name in _TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, tmp / name)
+        _write_run_config(source, tmp, base)
     return out
+
+
+def _write_run_config(source: Path, out: Path, base: str | None) -> None:
+    """Write the run's config (from its model card, the tracker or its ``soup_config.yaml``) into ``out`` as a
+    transformers run of the same recipe, so ``soup eval``/``soup generate`` take the exported folder as a run
+    (its chat template, encoding and base), as they take a transformers run's output."""
+    import yaml
+
+    from soup_core.tracker import run_of_folder
+
+    run = run_of_folder(source)
+    if run is None:
+        return  # a plain mlx-lm adapter: no Soup run to carry
+    config = {**run.config, "backend": "transformers"}
+    if base:
+        config["base"] = base
+    (out / "soup_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
