@@ -46,17 +46,30 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 #: Runs a script or module with ``Trainer.train`` timed and the peak resident memory printed at exit.
 WRAPPER = '''
-import atexit, resource, runpy, sys, time
-import transformers.trainer as tt
-_train = tt.Trainer.train
-def train(self, *a, **k):
-    wall, cpu = time.perf_counter(), time.process_time()
-    try:
-        return _train(self, *a, **k)
-    finally:
-        print(f"BENCH_TRAIN {time.perf_counter() - wall:.3f} {time.process_time() - cpu:.3f} {self.state.global_step}",
-              flush=True)
-tt.Trainer.train = train
+import atexit, importlib.abc, importlib.util, resource, runpy, sys, time
+def patch(tt):
+    _train = tt.Trainer.train
+    def train(self, *a, **k):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return _train(self, *a, **k)
+        finally:
+            print(f"BENCH_TRAIN {time.perf_counter() - wall:.3f} {time.process_time() - cpu:.3f} "
+                  f"{self.state.global_step}", flush=True)
+    tt.Trainer.train = train
+class Patcher(importlib.abc.MetaPathFinder):  # patched when the tool imports it: importing transformers.trainer
+    def find_spec(self, name, path=None, target=None):  # here would import peft, and so bitsandbytes, for both
+        if name != "transformers.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Patcher())
 atexit.register(lambda: print(f"BENCH_PEAK_KB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True))
 target = sys.argv[1]
 sys.argv = [target] + sys.argv[2:]
