@@ -110,7 +110,7 @@ class _FrozenHead(torch.autograd.Function):
             logits = out.detach().float()
             log_z = torch.logsumexp(logits, dim=-1)
             log_probs = logits.gather(1, targets[:, None]).squeeze(1) - log_z
-            probs = torch.exp(logits - log_z[:, None])
+            probs = (logits - log_z[:, None]).exp_()
             entropy = log_z - (probs * logits).sum(dim=-1) if extras else None
             top1 = logits.argmax(dim=-1) == targets if extras else None
             del logits
