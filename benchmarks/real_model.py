@@ -12,8 +12,9 @@ conversation trained (trl's default for chat rows; Soup's ``data.train_on_respon
   over trl (goal <= 1.0, and <= 0.75). The trl script sets ``bf16=False``: trl's ``SFTConfig`` defaults to bf16
   autocast even on a CPU (much faster on one with AMX), and the recipe is fp32 on both sides.
 - ``original``: the whole ``soup train`` (start-up, loading, data, training, saving) against the original tool,
-  soup-cli 0.77.0 in its own environment, given the same model folder and rows (goal <= 0.85x wall). Timed as
-  whole processes (``_common.timed_process``), no wrapper.
+  soup-cli 0.77.0 in its own environment, given the same model folder, rows and recipe (goal <= 0.85x wall).
+  Timed as whole processes (``_common.timed_process``), no wrapper. Until 2026-12-07 this part gave each tool
+  its own defaults, and the original's LoRA covers q_proj and v_proj only (2 adapters a layer against 7).
 
 The sides alternate which goes first (``_common.interleaved_pairs``); each result is the median of the pair
 ratios. The model is a local folder given as the argument (a dequantised SmolLM2-135M-Instruct); nothing is
@@ -46,17 +47,30 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 #: Runs a script or module with ``Trainer.train`` timed and the peak resident memory printed at exit.
 WRAPPER = '''
-import atexit, resource, runpy, sys, time
-import transformers.trainer as tt
-_train = tt.Trainer.train
-def train(self, *a, **k):
-    wall, cpu = time.perf_counter(), time.process_time()
-    try:
-        return _train(self, *a, **k)
-    finally:
-        print(f"BENCH_TRAIN {time.perf_counter() - wall:.3f} {time.process_time() - cpu:.3f} {self.state.global_step}",
-              flush=True)
-tt.Trainer.train = train
+import atexit, importlib.abc, importlib.util, resource, runpy, sys, time
+def patch(tt):
+    _train = tt.Trainer.train
+    def train(self, *a, **k):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return _train(self, *a, **k)
+        finally:
+            print(f"BENCH_TRAIN {time.perf_counter() - wall:.3f} {time.process_time() - cpu:.3f} "
+                  f"{self.state.global_step}", flush=True)
+    tt.Trainer.train = train
+class Patcher(importlib.abc.MetaPathFinder):  # patched when the tool imports it: importing transformers.trainer
+    def find_spec(self, name, path=None, target=None):  # here would import peft, and so bitsandbytes, for both
+        if name != "transformers.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, Patcher())
 atexit.register(lambda: print(f"BENCH_PEAK_KB {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", flush=True))
 target = sys.argv[1]
 sys.argv = [target] + sys.argv[2:]
@@ -106,13 +120,15 @@ def make_rows(path: Path) -> Path:
 
 
 def soup_config(path: Path, model: str, rows: Path, output: Path, *, original: bool = False) -> Path:
-    """The same run as a Soup config; ``original``: only keys soup-cli 0.77.0 also reads."""
-    extra = "" if original else "  train_on_responses_only: false\n"
-    training = "" if original else f"  learning_rate: {LR}\n  dtype: float32\n  lora:\n    r: 8\n    alpha: 16\n"
+    """The same run as a Soup config; ``original``: as soup-cli 0.77.0 spells it (``lr``; its dtype on a CPU is
+    float32 already). Every LoRA key is written out: the original's defaults differ (q_proj and v_proj only)."""
+    lr = f"  lr: {LR}\n" if original else f"  learning_rate: {LR}\n  dtype: float32\n"
     path.write_text(
-        f"base: {model}\ndata:\n  train: {rows}\n  val_split: 0.0\n  max_length: {MAX_LENGTH}\n{extra}"
-        f"training:\n  epochs: 1\n  batch_size: {BATCH}\n  gradient_accumulation_steps: 1\n  quantization: none\n"
-        + (training or "  lora:\n    r: 8\n") + f"output: {output}\n", encoding="utf-8")
+        f"base: {model}\ndata:\n  train: {rows}\n  val_split: 0.0\n  max_length: {MAX_LENGTH}\n"
+        f"  train_on_responses_only: false\ntraining:\n  epochs: 1\n  batch_size: {BATCH}\n"
+        f"  gradient_accumulation_steps: 1\n  quantization: none\n{lr}"
+        f"  lora:\n    r: 8\n    alpha: 16\n    dropout: 0.05\n    target_modules: [{', '.join(TARGETS)}]\n"
+        f"output: {output}\n", encoding="utf-8")
     return path
 
 
@@ -194,7 +210,7 @@ def main() -> None:
             "goal": "tokens/s >= 1.0; peak resident memory <= 1.0 and <= 0.75",
         }
     if "original" in only:
-        ours = soup_config(work / "whole.yaml", model, rows, work / "out-whole", original=True)
+        ours = soup_config(work / "whole.yaml", model, rows, work / "out-whole")
         theirs = soup_config(work / "whole-original.yaml", model, rows, work / "out-original", original=True)
         original_env = {**env, "SOUP_HOME": str(work / "home-original"), "HOME": str(work / "home-original")}
         original_env.pop("PYTHONPATH")
@@ -216,8 +232,8 @@ def main() -> None:
         wall = _common.median_ratio([s[0] for s in got_whole["soup"]], [o[0] for o in got_whole["original"]])
         cpu = _common.median_ratio([s[1] for s in got_whole["soup"]], [o[1] for o in got_whole["original"]])
         result["original"] = {
-            "what": "the whole soup train vs soup-cli 0.77.0 in its own environment, the same model folder and rows "
-                    "(each tool's defaults otherwise: Soup trains the responses only)",
+            "what": "the whole soup train vs soup-cli 0.77.0 in its own environment, the same model folder, rows "
+                    "and recipe as the sft part (LoRA r 8 on every linear layer, the whole conversation trained)",
             "pairs": args.pairs,
             "wall_ratio": round(wall[0], 3), "wall_ratios": [round(r, 3) for r in wall[1]],
             "cpu_ratio": round(cpu[0], 3), "cpu_ratios": [round(r, 3) for r in cpu[1]],

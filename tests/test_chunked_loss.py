@@ -113,3 +113,49 @@ def test_a_model_that_transforms_its_logits_keeps_trls_head(tiny_model):
     model.config.final_logit_softcapping = 30.0
     assert not chunked_loss.applies_to(model) and not chunked_loss.install(model)
 
+
+
+def test_a_frozen_head_keeps_derivatives_instead_of_recomputing(tiny_model, monkeypatch):
+    """No adapter on the head: each chunk goes through the head once (no recomputation in backward), and any
+    per-token weighting of the log-probabilities gets the gradients of the model's own whole logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj",
+                                                                                                     "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    ids, labels = _batch(model, seed=4)
+    mask = labels[:, 1:] != -100
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(5)) * 2  # a per-token objective
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    own = logits.log_softmax(-1).gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1) * mask
+    (own * weights).sum().backward()
+    own_grads = _grads(model)
+    assert chunked_loss.install(model)
+    monkeypatch.setattr(chunked_loss, "CHUNK_BYTES", 7 * 4 * model.config.vocab_size)
+    seen = []
+    head = model.get_base_model().get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    try:
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        (out.log_probs * weights).sum().backward()
+    finally:
+        hook.remove()
+    grads = _grads(model)
+    assert max(shape[0] for shape in seen) == 7 and sum(s[0] for s in seen) == int(mask.sum())  # once, not twice
+    assert torch.allclose(out.log_probs.detach(), own.detach(), atol=1e-5)
+    assert abs(float(out.loss) - float(-own.detach().sum() / mask.sum())) < 1e-5
+    assert set(grads) == set(own_grads) and len(grads) == 2 * 3 * model.config.num_hidden_layers
+    for name, grad in own_grads.items():
+        assert torch.allclose(grads[name], grad, atol=1e-6, rtol=1e-4), name
+    # control: the gradients of the unweighted sum differ from the weighted ones beyond that tolerance
+    model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs.sum().backward()
+    unweighted = _grads(model)
+    assert not all(torch.allclose(unweighted[n], g, atol=1e-6, rtol=1e-4) for n, g in own_grads.items())

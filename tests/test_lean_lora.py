@@ -27,14 +27,18 @@ def _model(tiny_model, dropout: float):
     return model
 
 
-def _step(model, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """Loss, gradients and the bytes autograd kept between forward and backward, for a fixed dropout seed."""
+def _step(model, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], int, int]:
+    """Loss, gradients, the bytes autograd kept between forward and backward and those of them in bool or uint8
+    tensors (masks), for a fixed dropout seed."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, model.config.vocab_size, (2, 48), generator=gen)
     kept: dict[int, int] = {}
+    masks: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.dtype in (torch.bool, torch.uint8):
+            masks[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     torch.manual_seed(seed)
@@ -43,25 +47,38 @@ def _step(model, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return loss.detach(), grads, sum(kept.values())
+    return loss.detach(), grads, sum(kept.values()), sum(masks.values())
 
 
 def test_same_loss_and_gradients_as_peft_with_less_kept(tiny_model):
     model = _model(tiny_model, dropout=0.3)
-    loss, grads, kept = _step(model, seed=7)
-    other_loss, other_grads, _ = _step(model, seed=8)  # control: another mask gives other numbers
+    loss, grads, kept, _ = _step(model, seed=7)
+    other_loss, other_grads, _, _ = _step(model, seed=8)  # control: another mask gives other numbers
     assert not torch.equal(loss, other_loss)
     assert not all(torch.equal(grads[n], other_grads[n]) for n in grads)
 
     assert lean_lora.install(model) == 7 * model.config.num_hidden_layers
-    lean_loss, lean_grads, lean_kept = _step(model, seed=7)
+    lean_loss, lean_grads, lean_kept, lean_masks = _step(model, seed=7)
     assert torch.equal(lean_loss, loss)
     assert lean_grads.keys() == grads.keys() and any("lora_A" in n for n in grads)
     assert all(torch.equal(lean_grads[n], grads[n]) for n in grads)
     # per element of each adapted layer's input peft keeps the float noise and the dropped copy (4 + 4 bytes);
-    # the lean one a bool mask (1 byte) and the input itself (4 bytes, once for layers sharing it: q/k/v, gate/up)
+    # the lean one a mask of 1 bit (it was a bool mask, 1 byte) and the input itself (4 bytes, once for layers
+    # sharing it: q/k/v, gate/up)
     elements = sum(2 * 48 * m.in_features for m in model.modules() if "forward" in vars(m))
     assert kept - lean_kept >= 4 * elements, (kept, lean_kept, elements)
+    assert 0 < lean_masks <= elements / 8 + 7 * model.config.num_hidden_layers * 7, (lean_masks, elements)
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 8), (1,), (4, 70, 576)])
+def test_packed_masks_come_back_whole(shape):
+    mask = torch.rand(shape, generator=torch.Generator().manual_seed(0)) > 0.3
+    packed = lean_lora._pack(mask)
+    assert packed.numel() == (mask.numel() + 7) // 8 or packed.dtype == torch.bool
+    assert torch.equal(lean_lora._unpack(packed, mask.shape), mask)
+    if mask.numel() > 1:  # control: one flipped bit comes back flipped
+        flipped = mask.clone().view(-1)
+        flipped[-1] = ~flipped[-1]
+        assert not torch.equal(lean_lora._unpack(lean_lora._pack(flipped.view(shape)), mask.shape), mask)
 
 
 def test_no_dropout_and_eval_keep_peft_forward(tiny_model):
