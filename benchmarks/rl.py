@@ -3,7 +3,8 @@
 Both run in this process, on the same tiny model, data, LoRA adapter, reward function and GRPO settings
 (variant ``grpo``: trl's ``loss_type="grpo"``, std-scaled advantages, plain k3 KL, β 0.1). Runs are
 interleaved in pairs (the order alternates), each pair's ratio is trl's median step time over soup's (the
-first step of each run is warm-up and left out), and the result is the median ratio over the pairs. Goal:
+first step of each run is warm-up and left out; a step is timed from its start to the next step's start, so
+its logging and the callbacks of its log phase count), and the result is the median ratio over the pairs. Goal:
 ≥ 0.95 (soup at least 95 % of plain trl's speed). Each step is timed twice: by the wall clock and by the CPU
 time of the training thread (``time.thread_time``; with one torch thread every step's work runs there). On a
 machine shared with other jobs the wall clock also counts the time the step waited for a core, which differs
@@ -59,16 +60,19 @@ class StepTimer:
         timer = self
 
         class Callback(TrainerCallback):
+            # from one step's start to the next one's: the step's logging and every callback after it (soup's
+            # tracker, progress line and controllers run in the trainer's log phase, after on_step_end) count
             def on_step_begin(self, args, state, control, **kwargs):
-                timer.start, timer.cpu_start = time.perf_counter(), time.thread_time()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                timer.times.append(time.perf_counter() - timer.start)
-                timer.cpu_times.append(time.thread_time() - timer.cpu_start)
+                now, cpu = time.perf_counter(), time.thread_time()
+                if timer.start is not None:
+                    timer.times.append(now - timer.start)
+                    timer.cpu_times.append(cpu - timer.cpu_start)
+                timer.start, timer.cpu_start = now, cpu
 
         self.times: list[float] = []
         self.cpu_times: list[float] = []
-        self.start = self.cpu_start = 0.0
+        self.start: float | None = None
+        self.cpu_start = 0.0
         self.callback = Callback()
 
     def median(self) -> tuple[float, float]:
