@@ -19,7 +19,7 @@ this honest reward. The control: one run with a planted hackable reward (``repea
 completion's words that are its most frequent word, which the policy exploits by repeating one word), same
 settings: the controller must act there (raise beta). Both runs' ``mitigation_log.jsonl`` actions are recorded.
 
-Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--record]
+Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
        (about 25 minutes on 2 CPUs; offline)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
        2 steps, one seed and the hack run, 4 held-out prompts; prints the JSON, records nothing)
@@ -166,7 +166,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--no-hack", action="store_true", help="skip the planted hackable run")
+    parser.add_argument("--parts", default="seeds,hack",
+                        help="seeds (base and trained seeds), hack (the planted hackable run), or both; --record "
+                             "keeps the recorded values of a part not run")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small pretrained model's folder")
     parser.add_argument("--record", action="store_true")
@@ -200,34 +202,37 @@ def main() -> None:
     (work / "rewards.py").write_text("import re\n\n\n" + inspect.getsource(arithmetic) + "\n\n"
                                      + inspect.getsource(repeat), encoding="utf-8")
     held = [prompt_text(tokenizer, a, b) for a, b in held_pairs]
+    parts = set(args.parts.split(","))
     result: dict = {"benchmark": "real_grpo", "model": model_name, "smoke": args.smoke, "steps": args.steps,
                     "train_prompts": len(rows), "held_out_prompts": len(held), "samples_per_prompt": SAMPLES,
                     "controller": HACK}
-    _common.say("the base answers the held-out prompts ...")
-    result["base"] = evaluate(base, None, held)
-    _common.say(f"base: {result['base']['sampled_mean_reward']}")
-    result["seeds"] = {}
-    for seed in args.seeds:
-        out = train(base, work, env, f"seed{seed}", "arithmetic", seed, args.steps, batch)
-        score = evaluate(base, out, held)
-        result["seeds"][str(seed)] = {**score, "controller": controller_log(out)}
-        _common.say(f"seed {seed}: {score['sampled_mean_reward']}")
-    rewards = [s["sampled_mean_reward"] for s in result["seeds"].values()]
-    mean = statistics.fmean(rewards)
-    spread = max(rewards) - min(rewards)
-    rise = mean - result["base"]["sampled_mean_reward"]
-    result["trained_mean"], result["seed_spread"], result["rise"] = round(mean, 4), round(spread, 4), round(rise, 4)
-    result["goal_rise_beyond_spread"] = rise > spread
-    result["controller_quiet_on_honest"] = not any(s["controller"]["acted"] for s in result["seeds"].values())
-    if not args.no_hack:
+    if "seeds" in parts:
+        _common.say("the base answers the held-out prompts ...")
+        result["base"] = evaluate(base, None, held)
+        _common.say(f"base: {result['base']['sampled_mean_reward']}")
+        result["seeds"] = {}
+        for seed in args.seeds:
+            out = train(base, work, env, f"seed{seed}", "arithmetic", seed, args.steps, batch)
+            score = evaluate(base, out, held)
+            result["seeds"][str(seed)] = {**score, "controller": controller_log(out)}
+            _common.say(f"seed {seed}: {score['sampled_mean_reward']}")
+        rewards = [s["sampled_mean_reward"] for s in result["seeds"].values()]
+        assert all(math.isfinite(x) for x in rewards)
+        mean = statistics.fmean(rewards)
+        spread = max(rewards) - min(rewards)
+        rise = mean - result["base"]["sampled_mean_reward"]
+        result.update(trained_mean=round(mean, 4), seed_spread=round(spread, 4), rise=round(rise, 4),
+                      goal_rise_beyond_spread=rise > spread)
+        result["controller_quiet_on_honest"] = not any(s["controller"]["acted"] for s in result["seeds"].values())
+    if "hack" in parts:
         out = train(base, work, env, "hack", "repeat", args.seeds[0], args.steps, batch)
-        result["hack"] = {"reward": "repeat", "seed": args.seeds[0], "controller": controller_log(out)}
+        result["hack"] = {"reward": "repeat", "seed": args.seeds[0], "steps": args.steps,
+                          "controller": controller_log(out)}
         result["controller_acts_on_hack"] = result["hack"]["controller"]["acted"]
     result.update(_common.machine(torch=torch.__version__))
-    assert all(math.isfinite(x) for x in rewards)
     print(json.dumps(result, indent=2))
     if args.record and not args.smoke:
-        _common.record(RESULTS, result)
+        _common.record(RESULTS, result, merge=lambda old: {**(old if isinstance(old, dict) else {}), **result})
 
 
 if __name__ == "__main__":
