@@ -130,6 +130,29 @@ def evaluate(base: str, adapter: Path | None, prompts: list[str], seed: int = 0)
             "greedy_examples": g_text[:4]}
 
 
+def replay(records: list[dict], **settings) -> dict | None:
+    """The controller's first action had it read the same steps' statistics with other ``settings`` (valid up to
+    that action: a changed beta would have changed the steps after it)."""
+    from soup_plugin_rl.hack import signals
+    from soup_plugin_rl.hack.config import HackSettings
+    from soup_plugin_rl.hack.detect import RAW_KEY, Detector
+    from soup_plugin_rl.hack.laws import BangBang
+
+    base = {k.removeprefix("reward_hack_"): tuple(v) if isinstance(v, list) else v for k, v in HACK.items()}
+    s = HackSettings(**{**base, **settings})
+    detector = Detector(s)
+    law = BangBang(beta=0.04, floor=s.beta_floor, ceil=s.beta_ceil, trip=s.trip, release=s.release, dwell=s.dwell,
+                   release_patience=s.release_patience, gain=s.gain)
+    for r in records:
+        metrics = {signals.N: 1.0, **{RAW_KEY[k]: v for k, v in r["raw"].items() if v is not None}}
+        reading = detector.read(metrics)
+        if reading.smoothed is not None:
+            before = law.beta
+            if law.step(reading.smoothed) != before:
+                return {"step": r["step"], "vote": round(reading.smoothed, 3), "beta_after": law.beta}
+    return None
+
+
 def controller_log(out: Path) -> dict:
     """What the reward-hack controller did: its actions and the beta it ended with, from its own log."""
     path = out / "mitigation_log.jsonl"
@@ -143,7 +166,8 @@ def controller_log(out: Path) -> dict:
             "max_vote": max((r["smoothed"] for r in records if r["smoothed"] is not None), default=None),
             "final_beta": records[-1]["beta_after"] if records else None,
             "reward_first_last": [records[0]["reward_mean"], records[-1]["reward_mean"]] if records else None,
-            "repetition_last": records[-1]["raw"].get("repetition") if records else None}
+            "repetition_last": records[-1]["raw"].get("repetition") if records else None,
+            "replay_vote_mean_first_action": replay(records, vote="mean")}
 
 
 def train(base: str, work: Path, env: dict, name: str, reward: str, seed: int, steps: int, batch: int) -> Path:
@@ -222,7 +246,7 @@ def main() -> None:
         spread = max(rewards) - min(rewards)
         rise = mean - result["base"]["sampled_mean_reward"]
         result.update(trained_mean=round(mean, 4), seed_spread=round(spread, 4), rise=round(rise, 4),
-                      goal_rise_beyond_spread=rise > spread)
+                      goal_rise_beyond_spread=rise > spread if len(rewards) >= 2 else None)  # one seed: no spread
         result["controller_quiet_on_honest"] = not any(s["controller"]["acted"] for s in result["seeds"].values())
     if "hack" in parts:
         out = train(base, work, env, "hack", "repeat", args.seeds[0], args.steps, batch)

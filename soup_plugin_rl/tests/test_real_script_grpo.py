@@ -50,7 +50,7 @@ def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path) -> None:
             assert isinstance(score[key], float) and math.isfinite(score[key]) and 0 <= score[key] <= 1
     base = result["base"]["sampled_mean_reward"]
     assert result["rise"] == pytest.approx(result["trained_mean"] - base, abs=2e-4)
-    assert isinstance(result["goal_rise_beyond_spread"], bool)
+    assert result["goal_rise_beyond_spread"] is None  # one seed has no spread to judge against
     for log in [s["controller"] for s in result["seeds"].values()] + [result["hack"]["controller"]]:
         assert log["steps_judged"] == 2 and log["final_beta"] == pytest.approx(0.04)
     assert isinstance(result["controller_quiet_on_honest"], bool)
