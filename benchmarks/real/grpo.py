@@ -20,7 +20,7 @@ completion's words that are its most frequent word, which the policy exploits by
 settings: the controller must act there (raise beta). Both runs' ``mitigation_log.jsonl`` actions are recorded.
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
-       (about 25 minutes on 2 CPUs; offline)
+       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
        2 steps, one seed and the hack run, 4 held-out prompts; prints the JSON, records nothing)
 """
