@@ -20,7 +20,7 @@ over seeds (its worst seed below sft's best). The control: the untrained student
 it, else the measure does not see training).
 
 Usage: python benchmarks/real/distill.py [--seeds 0 1] [--layers 6] [--lora-r 0] [--temperature 1] [--weight 0.5]
-       [--record | --smoke]   (about 15 minutes on 2 otherwise idle CPUs; offline; --record writes
+       [--record | --smoke]   (not yet timed on idle CPUs: 45 minutes at load 4.5 to 13; offline; --record writes
        benchmarks/results/real_distill.json after every run, ``complete`` false until all are in; --smoke runs
        the same code path on the small pretrained test model, a 1-layer student, 1 epoch, sft and reverse_kl)
 """
