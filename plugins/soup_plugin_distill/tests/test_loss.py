@@ -72,6 +72,40 @@ def test_divergences_equal_their_closed_forms(divergence, temperature):
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-7)
 
 
+def _closed_form_gradient(student, teacher, divergence: str, temperature: float) -> torch.Tensor:
+    """d loss / d student logits written out by hand (float64), for ``T**2 * mean over positions``:
+    forward KL: T (s - t); reverse KL: T s (log s/t - KL(s||t)); JS: (T / 2) s (log s/m - JS_s), where JS_s is
+    the s-weighted mean of log s/m (the t-side term's gradient through m cancels against its share of s's)."""
+    T = temperature
+    s = torch.softmax(student.double() / T, dim=-1)
+    t = torch.softmax(teacher.double() / T, dim=-1)
+    if divergence == "forward_kl":
+        grad = T * (s - t)
+    elif divergence == "reverse_kl":
+        r = torch.log(s / t)
+        grad = T * s * (r - (s * r).sum(-1, keepdim=True))
+    else:
+        r = torch.log(s / ((s + t) / 2))
+        grad = 0.5 * T * s * (r - (s * r).sum(-1, keepdim=True))
+    return grad / student.shape[0]
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_gradients_equal_their_closed_forms(divergence, temperature):
+    student, teacher = _logits(5, 17, seed=30), _logits(5, 17, seed=31)
+    student.requires_grad_(True)
+    distill_loss(student, teacher, divergence=divergence, temperature=temperature).backward()
+    expected = _closed_form_gradient(student.detach(), teacher, divergence, temperature)
+    torch.testing.assert_close(student.grad.double(), expected, rtol=1e-4, atol=1e-7)
+    # control: the gradient of another divergence (or without the T**2 factor at T 2) does not pass
+    other = "forward_kl" if divergence != "forward_kl" else "reverse_kl"
+    assert not torch.allclose(student.grad.double(), _closed_form_gradient(student.detach(), teacher, other,
+                                                                           temperature), rtol=1e-2)
+    if temperature != 1.0:
+        assert not torch.allclose(student.grad.double(), expected / temperature**2, rtol=1e-2)
+
+
 def test_js_is_symmetric_and_bounded_by_log_two():
     student, teacher = _logits(4, 9, seed=5, scale=20.0), _logits(4, 9, seed=6, scale=20.0)
     a = token_divergence(student, teacher, divergence="js", temperature=1.0)
