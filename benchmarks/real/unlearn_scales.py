@@ -15,7 +15,8 @@ defaults (rmu c = 5 x the mean norm, npo retain weight 1) run beside the current
 failing there (the measure must be able to see a default fail).
 
 Usage: python benchmarks/real/unlearn_scales.py [--models demo,second,real] [--only npo,simnpo,rmu] [--record]
-       (about 15 minutes on 2 CPUs, the real model about 10 of them; offline)
+       (--record replaces only the models and methods run, each with its own machine and load average;
+        about 15 minutes on 2 CPUs, the real model about 10 of them; offline)
        python benchmarks/real/unlearn_scales.py --smoke   (the same code path, 2 steps, rmu only; CI)
 """
 
@@ -146,7 +147,8 @@ def main() -> None:
     result: dict = {"benchmark": "real_unlearn_scales", "models": {}}
     for name in models:
         if name != "real":
-            result["models"][name] = small(name, work, env, methods, smoke=args.smoke)
+            result["models"][name] = {**small(name, work, env, methods, smoke=args.smoke),
+                                      "machine": _common.machine()}
             continue
         real = _real_script()
         if args.smoke:  # the taught second model stands in: the real script's code path, no download, no build
@@ -162,10 +164,25 @@ def main() -> None:
         (work / "real").mkdir()
         result["models"]["real"] = {"model": model, **real.measure(base, work / "real", env, methods,
                                                                     steps=2 if args.smoke else 60, smoke=args.smoke)}
+        result["models"]["real"]["machine"] = _common.machine()  # each model's own load average and date
     result.update(_common.machine())
     print(json.dumps(result, indent=2))
     if args.record and not args.smoke:
-        _common.record(RESULTS, result)
+        _common.record(RESULTS, result, merge=lambda old: merged(old, result))
+
+
+def merged(old: Any, new: dict) -> dict:
+    """``new`` over the recorded result: a run of some models or methods replaces only what it measured."""
+    if not isinstance(old, dict) or not isinstance(old.get("models"), dict):
+        return new
+    models = dict(old["models"])
+    for name, got in new["models"].items():
+        before = models.get(name) or {}
+        for key in ("methods", "previous_defaults"):
+            if key in before or key in got:
+                got[key] = {**before.get(key, {}), **got.get(key, {})}
+        models[name] = {**before, **got}
+    return {**old, **new, "models": models}
 
 
 if __name__ == "__main__":
