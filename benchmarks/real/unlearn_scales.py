@@ -10,9 +10,11 @@ activations at rmu's steered layer are about 8.5 times larger (mean norm 98.4 ag
 Measured: greedy recall after unlearning. On the two small models, exact-match recall of the 8 forget and 16
 retain facts (the demo's own test, as ``soup unlearn eval --recall`` counts it); on the real model, the share of
 the held-out questions the base answered right that are still answered right. Goal: forget <= 10%, retain >= 90%.
-The control: the recall before unlearning (100% on the small models), and, on the second model, the previous
-defaults (rmu c = 5 x the mean norm, npo retain weight 1) run beside the current ones, which the issue measured
-failing there (the measure must be able to see a default fail).
+The control: the recall before unlearning (100% on the small models), and, on the second model, the other
+setting of each default run beside it (``controls``): npo at retain weight 1 (its previous default, which kept 81%
+of the retain facts there) and rmu at c = 10 x the mean norm (the default is 5 x, which left 25% of the forget facts
+there; 10 x reaches the goal there but kept 44% of SmolLM2's retain facts), so the measure is seen to tell a setting
+that fails from one that works on the same model.
 
 Usage: python benchmarks/real/unlearn_scales.py [--models demo,second,real] [--only npo,simnpo,rmu] [--record]
        (--record replaces only the models and methods run, each with its own machine and load average;
@@ -39,8 +41,10 @@ MODELS = ("demo", "second", "real")
 METHODS = ("npo", "simnpo", "rmu")
 #: The two small models: the demo's (soup_plugin_unlearn.demo.TINY) and one of another scale.
 HIDDEN = {"demo": 128, "second": 256}
-#: The defaults before issue 34 (c = 5 x n, npo alpha = 1), run on the second model as the control.
-PREVIOUS = {"npo": "  unlearn_alpha: 1.0\n", "rmu": "  unlearn_rmu_coeff: {c}\n"}
+#: The control on the second model: npo at its previous retain weight 1, rmu at c = CONTROL_SCALE x the norm.
+CONTROLS = {"npo": "  unlearn_alpha: 1.0\n", "rmu": "  unlearn_rmu_coeff: {c}\n"}
+#: rmu's control multiple: the other one measured (the default, RMU_COEFF_SCALE, is 5).
+CONTROL_SCALE = 10.0
 
 
 def _real_script() -> Any:
@@ -119,10 +123,10 @@ def small(name: str, work: Path, env: dict[str, str], methods: list[str], *, smo
     if rmu is not None:
         result["rmu_mean_norm"] = rmu["settings"]["rmu_start_norm"]
     if name == "second" and not smoke:
-        result["previous_defaults"] = {}
+        result["controls"] = {}
         for method in (m for m in ("npo", "rmu") if m in methods):
-            extra = PREVIOUS[method].format(c=round(5 * result.get("rmu_mean_norm", 0.0), 4))
-            result["previous_defaults"][method] = run(method, f"{method}-previous", extra)
+            extra = CONTROLS[method].format(c=round(CONTROL_SCALE * result.get("rmu_mean_norm", 0.0), 4))
+            result["controls"][method] = run(method, f"{method}-control", extra)
     return result
 
 
@@ -178,7 +182,7 @@ def merged(old: Any, new: dict) -> dict:
     models = dict(old["models"])
     for name, got in new["models"].items():
         before = models.get(name) or {}
-        for key in ("methods", "previous_defaults"):
+        for key in ("methods", "controls"):
             if key in before or key in got:
                 got[key] = {**before.get(key, {}), **got.get(key, {})}
         models[name] = {**before, **got}

@@ -64,7 +64,7 @@ def test_defaults_are_documented_values(tmp_path, plugins):
         "method": "rmu", "alpha": 100.0, "rmu_layer": 3, "rmu_coeff": None, "rmu_params": "mlp", "rmu_tokens": "all"
     }
     assert describe(resolved(rmu)) == (
-        "rmu: layer 3, c=10×mean norm, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=100"
+        "rmu: layer 3, c=5×mean norm, trains MLPs of layers l-2..l, averaged over all tokens, retain weight α=100"
     )
     explicit = load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_coeff=6.5, unlearn_alpha=1200))
     assert describe(resolved(explicit.training)) == (
@@ -80,7 +80,7 @@ def test_every_field_has_a_description_naming_its_default(plugins):
         assert field.description, field.path
     described = {f.path: f.description for f in FIELDS}
     assert "0.1 for npo, 2.5 for simnpo" in described["training.unlearn_beta"]
-    assert "Unset: 10 × the mean norm of the steered layer's output" in described["training.unlearn_rmu_coeff"]
+    assert "Unset: 5 × the mean norm of the steered layer's output" in described["training.unlearn_rmu_coeff"]
     assert "Unset: 2 for npo, 1 for simnpo, 100 for rmu" in described["training.unlearn_alpha"]
     assert "0 trains on the forget loss alone" in described["training.unlearn_alpha"]
 

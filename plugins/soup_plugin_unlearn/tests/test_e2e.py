@@ -2,7 +2,7 @@
 defaults: the core's sft teaches a tiny model (4 layers, hidden 128, full fine-tuning) every fact; then each
 method, naming nothing but itself (β, γ, α, rmu's layer, coefficient, trained parameters and token
 averaging at their defaults), makes it forget the forget set and keep the retain set. rmu's default c is
-scaled to this model (10 × the steered layer's mean activation norm, about 116 here) and α is 100: the README
+scaled to this model (5 × the steered layer's mean activation norm, about 58 here) and α is 100: the README
 lists the settings measured not to reach the bar (the paper's Zephyr-7B c = 6.5, α = 1200 among them).
 
 Acceptance, measured here independently of the plugin's code (plain transformers: its own loss, greedy
@@ -230,41 +230,3 @@ def test_the_demo_command_writes_data_the_loader_accepts(tmp_path):
         assert (rows.n_rows, rows.format, rows.skipped) == (n, "prompt_completion", [])
     facts = (folder / "facts.jsonl").read_text()
     assert facts == (folder / "forget.jsonl").read_text() + (folder / "retain.jsonl").read_text()
-
-
-@pytest.fixture(scope="session")
-def second(tmp_path_factory, session_home, torch_one_thread, soup_train_session) -> dict[str, Any]:
-    """The demo's recipe on a model of another scale: a 4-layer tiny Llama of hidden 256, whose activations at
-    rmu's steered layer end about 8.5 times larger than the demo model's once it has learned the facts."""
-    from transformers import AutoTokenizer
-
-    from soup_core.default_plugins.transformers import tiny_model_dir
-    from soup_plugin_unlearn.demo import write_demo
-
-    folder = tmp_path_factory.mktemp("unlearn-second")
-    write_demo(folder, base=tiny_model_dir(hidden=256, layers=4))
-    learned = soup_train_session(folder / "learn.yaml").output_dir
-    tok = AutoTokenizer.from_pretrained(learned)
-    return {"folder": folder, "learned": learned, "pad": tok.pad_token_id,
-            "forget": _encoded(tok, folder / "forget.jsonl"), "retain": _encoded(tok, folder / "retain.jsonl")}
-
-
-def test_rmu_default_c_forgets_on_a_model_of_another_scale_where_five_times_the_norm_did_not(
-    second, soup_train_session
-):
-    """The default c (10 × the measured norm) reaches the bar on the second model; the previous default, 5 × the
-    same norm, leaves forget facts recalled there (the failing control the issue reported)."""
-    folder = second["folder"]
-    default = (folder / "unlearn-rmu.yaml").read_text(encoding="utf-8")
-    run = soup_train_session(folder / "unlearn-rmu.yaml")
-    norm = json.loads((run.output_dir / "unlearn_eval.json").read_text())["params"]["rmu_start_norm"]
-    assert norm > 5 * 11.57  # the scale differs: far above the demo model's 11.57
-    model = _load(second["learned"], run.output_dir)
-    got = _recall(model, second["forget"], second["pad"]), _recall(model, second["retain"], second["pad"])
-    assert got[0] <= 0.10 and got[1] >= 0.90, got
-
-    previous = folder / "unlearn-rmu-previous.yaml"
-    previous.write_text(default.replace("unlearned-rmu", "unlearned-rmu-previous").replace(
-        "  unlearn_method: rmu\n", f"  unlearn_method: rmu\n  unlearn_rmu_coeff: {5 * norm}\n"), encoding="utf-8")
-    old = soup_train_session(previous)
-    assert _recall(_load(second["learned"], old.output_dir), second["forget"], second["pad"]) > 0.10

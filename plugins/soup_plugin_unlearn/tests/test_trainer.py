@@ -279,7 +279,7 @@ def test_rmu_steers_the_middle_layer_by_default_and_refuses_a_missing_layer(soup
     params = dict(record["params"])
     norm = params.pop("rmu_start_norm")
     assert params == {
-        "method": "rmu", "alpha": 100.0, "rmu_layer": 1, "rmu_coeff": pytest.approx(10 * norm, rel=1e-6),
+        "method": "rmu", "alpha": 100.0, "rmu_layer": 1, "rmu_coeff": pytest.approx(5 * norm, rel=1e-6),
         "rmu_params": "mlp", "rmu_tokens": "all",
     }
     # data.val_split holds rows of both sets out; they are measured, not trained on
@@ -337,10 +337,10 @@ def test_rmu_scales_c_to_the_model_unless_it_is_set(soup_train, unlearn_config, 
     encoded = encode_rows(rows, tok, max_length=int(config["data"].get("max_length", 512)))
     expected = _layer_norm(tiny_model, encoded, 1)
     assert params["rmu_start_norm"] == pytest.approx(expected, rel=1e-4)
-    assert params["rmu_coeff"] == pytest.approx(10 * expected, rel=1e-4)
+    assert params["rmu_coeff"] == pytest.approx(5 * expected, rel=1e-4)
     # control: another layer's norm is another number, so the steered layer's is the one measured
     assert params["rmu_start_norm"] != pytest.approx(_layer_norm(tiny_model, encoded, 0), rel=1e-2)
-    assert "rmu: c = 10 × " in run.output
+    assert "rmu: c = 5 × " in run.output
 
     config = unlearn_config("rmu-c-set", training={"unlearn_method": "rmu", "max_steps": 1, "unlearn_rmu_coeff": 6.5})
     del config["training"]["lora"]
