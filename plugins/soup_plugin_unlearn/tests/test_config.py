@@ -55,8 +55,8 @@ def test_defaults_are_documented_values(tmp_path, plugins):
     assert (t.unlearn_method, t.unlearn_alpha, t.unlearn_beta, t.unlearn_gamma) == ("npo", None, None, 0.0)
     assert (t.unlearn_rmu_params, t.unlearn_rmu_tokens) == ("mlp", "all")
     assert (t.unlearn_rmu_layer, t.unlearn_rmu_coeff, t.unlearn_eval_steps) == (None, None, None)
-    assert resolved(t) == {"method": "npo", "alpha": 1.0, "beta": 0.1}
-    assert describe(resolved(t)) == "npo: β=0.1, retain weight α=1"
+    assert resolved(t) == {"method": "npo", "alpha": 2.0, "beta": 0.1}
+    assert describe(resolved(t)) == "npo: β=0.1, retain weight α=2"
     simnpo = load(tmp_path, plugins, unlearn(unlearn_method="simnpo")).training
     assert resolved(simnpo) == {"method": "simnpo", "alpha": 1.0, "beta": 2.5, "gamma": 0.0}
     rmu = load(tmp_path, plugins, unlearn(unlearn_method="rmu", unlearn_rmu_layer=3)).training
@@ -81,7 +81,7 @@ def test_every_field_has_a_description_naming_its_default(plugins):
     described = {f.path: f.description for f in FIELDS}
     assert "0.1 for npo, 2.5 for simnpo" in described["training.unlearn_beta"]
     assert "Unset: 5 × the mean norm of the steered layer's output" in described["training.unlearn_rmu_coeff"]
-    assert "100 for rmu" in described["training.unlearn_alpha"]
+    assert "Unset: 2 for npo, 1 for simnpo, 100 for rmu" in described["training.unlearn_alpha"]
     assert "0 trains on the forget loss alone" in described["training.unlearn_alpha"]
 
 

@@ -93,7 +93,7 @@ def test_events_carry_the_forget_rows_in_the_cores_order_with_their_losses(
     assert {k.split(".")[-3] for k in _adapter(run)} == {"q_proj", "v_proj"}
 
     record = _eval_record(run)
-    assert record["params"] == {"method": "npo", "alpha": 1.0, "beta": 0.1}
+    assert record["params"] == {"method": "npo", "alpha": 2.0, "beta": 0.1}
     assert record["rows"] == {"forget": 8, "retain": 16} and record["step"] == 2
     # the starting model's forget loss: the token-weighted mean of the independent per-row losses
     weighted = sum(w * c for w, c in zip(want, counts, strict=True)) / sum(counts)
