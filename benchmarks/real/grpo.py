@@ -15,13 +15,16 @@ reported beside it. Goal: the mean over the seeds minus the base's is larger tha
 
 The reward-hack controller (``training.reward_hack_mitigation: kl_control``, signals info_rm, length_trend and
 repetition, vote max, median smoothing over 4 steps) runs in every seed: it must stay quiet (no beta change) on
-this honest reward. The control: one run with a planted hackable reward (``repeat``: pays for the share of the
-completion's words that are its most frequent word, which the policy exploits by repeating one word; or, with
-``--hack-reward wordy``, one that pays for words up to 16), same settings: the controller must act there (raise
-beta). Both runs' ``mitigation_log.jsonl`` actions are recorded.
+this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged).
+The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
+that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
+wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
+Both runs' ``mitigation_log.jsonl`` actions are recorded.
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
        (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12)
+       python benchmarks/real/grpo.py --combine s0.json s1.json s2.json [--record]   (the seeds as parallel
+       processes: each `--parts seeds --seeds N > sN.json`, then one result from their printed JSON)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
        2 steps, one seed and the hack run, 4 held-out prompts; prints the JSON, records nothing)
 """
@@ -151,6 +154,8 @@ def replay(records: list[dict], **settings) -> dict | None:
                    release_patience=s.release_patience, gain=s.gain)
     for r in records:
         metrics = {signals.N: 1.0, **{RAW_KEY[k]: v for k, v in r["raw"].items() if v is not None}}
+        if r.get("reward_std") is not None:  # a flat batch is unjudged
+            metrics[signals.REWARD_STD] = r["reward_std"]
         reading = detector.read(metrics)
         if reading.smoothed is not None:
             before = law.beta
@@ -192,6 +197,38 @@ def train(base: str, work: Path, env: dict, name: str, reward: str, seed: int, s
     return out
 
 
+def summarise(result: dict) -> None:
+    """The seeds' mean, spread and rise over the base, the goal, and whether the controller stayed quiet."""
+    rewards = [s["sampled_mean_reward"] for s in result["seeds"].values()]
+    assert all(math.isfinite(x) for x in rewards)
+    mean = statistics.fmean(rewards)
+    spread = max(rewards) - min(rewards)
+    rise = mean - result["base"]["sampled_mean_reward"]
+    result.update(trained_mean=round(mean, 4), seed_spread=round(spread, 4), rise=round(rise, 4),
+                  goal_rise_beyond_spread=rise > spread if len(rewards) >= 2 else None)  # one seed: no spread
+    result["controller_quiet_on_honest"] = not any(s["controller"]["acted"] for s in result["seeds"].values())
+
+
+def combine(paths: list[Path]) -> dict:
+    """One result from the printed JSON of separate ``--parts seeds`` runs (one seed each, run as parallel
+    processes): their seeds merged, the base checked to be the same in each (same model, prompts and sampling
+    seed), the machine's load averages of each run kept."""
+    parts = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    first = parts[0]
+    for other in parts[1:]:
+        if other["base"] != first["base"] or other["steps"] != first["steps"]:
+            raise SystemExit("--combine: the runs differ in their base score or steps; they are not one benchmark")
+    result = {k: v for k, v in first.items() if k not in ("seeds", "load_average", "date")}
+    result["seeds"] = {k: v for part in parts for k, v in part["seeds"].items()}
+    summarise(result)
+    result["runs"] = [{"seeds": sorted(p["seeds"]), "load_average": p["load_average"], "date": p["date"]}
+                      for p in parts]
+    result["load_average"] = [max(p["load_average"][i] for p in parts) for i in range(3)]
+    result["date"] = max(p["date"] for p in parts)
+    result["note"] = f"seeds run as {len(parts)} parallel processes (OMP_NUM_THREADS=1), combined with --combine"
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -204,7 +241,16 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small pretrained model's folder")
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="merge the printed JSON of separate --parts seeds runs (e.g. one seed per process) "
+                             "into one result; with --record, record it; runs nothing")
     args = parser.parse_args()
+    if args.combine:
+        result = combine(args.combine)
+        print(json.dumps(result, indent=2))
+        if args.record:
+            _common.record(RESULTS, result, merge=lambda old: {**(old if isinstance(old, dict) else {}), **result})
+        return
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -248,14 +294,7 @@ def main() -> None:
             score = evaluate(base, out, held)
             result["seeds"][str(seed)] = {**score, "controller": controller_log(out)}
             _common.say(f"seed {seed}: {score['sampled_mean_reward']}")
-        rewards = [s["sampled_mean_reward"] for s in result["seeds"].values()]
-        assert all(math.isfinite(x) for x in rewards)
-        mean = statistics.fmean(rewards)
-        spread = max(rewards) - min(rewards)
-        rise = mean - result["base"]["sampled_mean_reward"]
-        result.update(trained_mean=round(mean, 4), seed_spread=round(spread, 4), rise=round(rise, 4),
-                      goal_rise_beyond_spread=rise > spread if len(rewards) >= 2 else None)  # one seed: no spread
-        result["controller_quiet_on_honest"] = not any(s["controller"]["acted"] for s in result["seeds"].values())
+        summarise(result)
     if "hack" in parts:
         name = "hack" if args.hack_reward == "repeat" else f"hack_{args.hack_reward}"
         out = train(base, work, env, name, args.hack_reward, args.seeds[0], args.steps, batch)

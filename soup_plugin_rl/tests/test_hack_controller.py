@@ -236,3 +236,40 @@ def test_the_log_and_the_postmortem_are_the_runs_before_the_first_checkpoint(tmp
         # what a kill here (before the run's end lists what it left) would leave the next --overwrite
         owned, foreign = outputs._sorted_out(out)
     assert {LOG_NAME, POSTMORTEM_NAME} <= set(owned) and foreign == ["mine.txt"], (owned, foreign)
+
+
+def flat_or_spread(separation: float, std: float) -> dict[str, float]:
+    return {**metrics(separation), sig.REWARD_STD: std}
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_mastered_honest_reward_is_unjudged_but_a_real_drop_still_acts(tmp_path, flat):
+    # A run whose policy gets every completion right: the rewards stop spreading, the separation falls to 0.
+    # That is no evidence of hacking (a gamed reward collapses the same way), so kl_control must hold β;
+    # the control: the same separations with the rewards still spread are a real drop, and β rises.
+    controller = start(tmp_path, make_config(reward_hack_mitigation="kl_control", reward_hack_dwell=2))
+    seps = [4.0, 4.0, 4.0] + [0.0] * 6
+    actions = []
+    for step, s in enumerate(seps, start=1):
+        std = 0.0 if (flat and s == 0.0) else 0.4
+        actions += controller.on_step(OptimizerStep(step=step, metrics=flat_or_spread(s, std)))
+    lines = log_lines(tmp_path)
+    if flat:
+        assert actions == [] and controller.beta == 0.125
+        assert [r["verdict"] for r in lines] == ["baseline", "ok", "ok"] + ["flat"] * 6
+        assert all(r["vote"] is None and r["signals"]["info_rm"] is None for r in lines[3:])
+        assert controller.law.dwell_count == 0 and list(controller.detector.smoother.recent) == []
+    else:
+        assert actions and all(isinstance(a, SetCoefficient) and a.value > 0.125 for a in actions)
+        assert [r["verdict"] for r in lines[3:]] == ["hack"] * 6
+
+
+def test_a_flat_step_neither_votes_nor_resets_the_evidence(tmp_path):
+    # dwell 2: one drop step, a flat step, a second drop step trips the law (the flat one did not reset it).
+    controller = start(tmp_path, make_config(reward_hack_mitigation="kl_control", reward_hack_dwell=2))
+    controller.on_step(OptimizerStep(step=1, metrics=flat_or_spread(4.0, 0.4)))
+    assert controller.on_step(OptimizerStep(step=2, metrics=flat_or_spread(1.0, 0.4))) == []
+    assert controller.on_step(OptimizerStep(step=3, metrics=flat_or_spread(0.0, 0.0))) == []
+    assert controller.law.dwell_count == 1
+    (action,) = controller.on_step(OptimizerStep(step=4, metrics=flat_or_spread(1.0, 0.4)))
+    assert isinstance(action, SetCoefficient) and action.value > 0.125

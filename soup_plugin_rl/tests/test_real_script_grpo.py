@@ -3,7 +3,8 @@
 and the planted hackable run), the held-out evaluation and the controller's log, on the small pretrained
 test model, 2 steps.
 Checked: the result has its keys and finite numbers, the rise is the trained mean less the base's, and the
-controller judged every step of both runs. The reward function itself is checked on known completions.
+controller judged every step of both runs. The reward function itself is checked on known completions, and
+``--combine`` (one-seed runs joined) on the smoke's own result.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _script():
     return module
 
 
-def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path) -> None:
+def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path, tmp_path: Path) -> None:
     script = _script()
     prompt = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n"
     got = script.arithmetic([prompt] * 4, ["3 + 4 = 7", "The answer is 8.", "no number", "4 and 3"])
@@ -55,3 +56,19 @@ def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path) -> None:
         assert log["steps_judged"] == 2 and log["final_beta"] == pytest.approx(0.04)
     assert isinstance(result["controller_quiet_on_honest"], bool)
     assert isinstance(result["controller_acts_on_hack"], bool)
+
+    # --combine: separate one-seed runs (parallel processes) joined into one result, their spread judged
+    other = json.loads(json.dumps(result))
+    other["seeds"] = {"7": {**result["seeds"]["0"], "sampled_mean_reward": 0.0}}
+    paths = [tmp_path / "s0.json", tmp_path / "s7.json"]
+    for path, part in zip(paths, (result, other), strict=True):
+        path.write_text(json.dumps(part), encoding="utf-8")
+    combined = script.combine(paths)
+    assert sorted(combined["seeds"]) == ["0", "7"] and len(combined["runs"]) == 2
+    first = result["seeds"]["0"]["sampled_mean_reward"]
+    assert combined["seed_spread"] == pytest.approx(first, abs=1e-4)
+    assert combined["rise"] == pytest.approx(first / 2 - base, abs=2e-4)
+    other["base"] = {**other["base"], "sampled_mean_reward": -1.0}
+    paths[1].write_text(json.dumps(other), encoding="utf-8")
+    with pytest.raises(SystemExit, match="differ in their base"):
+        script.combine(paths)

@@ -65,8 +65,8 @@ TUNABLES: tuple[Tunable, ...] = (
         "info_rm",
         _WATCH,
         "the hacking detector: info_rm (separation between the top and bottom halves of the batch's "
-        "rewards, Wang et al. 2024) or rm_ensemble (disagreement across the reward functions, Coste et "
-        "al. 2024; needs two or more).",
+        "rewards, Wang et al. 2024; a batch whose rewards do not spread is unjudged, verdict flat) or "
+        "rm_ensemble (disagreement across the reward functions, Coste et al. 2024; needs two or more).",
     ),
     Tunable(
         "signals",

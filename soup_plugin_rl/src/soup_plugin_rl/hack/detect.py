@@ -12,7 +12,13 @@ A baseline is the mean of a signal's first ``baseline_steps`` positive observati
 signal has no value. The vote is the mean (or max) of the values present, smoothed over judged steps;
 the verdict is ``hack`` at or above ``hack_at``, ``warn`` at or above ``warn_at``, else ``ok``. Without
 the detector's own value there is no verdict: ``baseline`` while its baseline is being set,
-``no_signal`` when the step published no statistic for it.
+``no_signal`` when the step published no statistic for it, ``flat`` when the batch's rewards had no spread.
+
+A flat batch (sample standard deviation of the summed rewards at most ``FLAT_STD``) gives info_rm no
+value: its separation is 0/0 there (the EPS under the square root makes it 0), the same whether the
+policy has mastered an honest reward (every completion right) or collapsed onto a gamed one, so it is
+evidence of neither. Such a step is unjudged: it neither votes (no hack) nor enters the smoothing window
+or the laws' counts (no reset of the evidence gathered so far), and it never sets the baseline.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ RAW_KEY = {
     "length_trend": sig.LENGTH_MEAN,
     "repetition": sig.REPETITION,
 }
+
+#: The reward spread at or below which a batch is flat: √EPS, the scale below which the separation's
+#: denominator is EPS's and not the rewards' (so the statistic no longer measures the rewards).
+FLAT_STD = math.sqrt(sig.EPS)
 
 #: Verdicts under which a checkpoint saved at that step counts as good.
 GOOD_VERDICTS = frozenset({"ok", "warn", "baseline"})
@@ -136,10 +146,12 @@ class Detector:
 
     def read(self, metrics: Mapping[str, Any]) -> Reading:
         raw = {name: _finite(metrics, RAW_KEY[name]) for name in self.names}
+        spread = _finite(metrics, sig.REWARD_STD)
+        flat = spread is not None and spread <= FLAT_STD
         values: dict[str, float | None] = {}
         for name in self.names:
             x = raw[name]
-            if x is None:
+            if x is None or (flat and name == "info_rm"):
                 values[name] = None
             elif name == "repetition":
                 values[name] = clamp(x, 0.0, 1.0)
@@ -154,7 +166,10 @@ class Detector:
                     values[name] = drop(base.value, h)
         detector = self.s.detector
         if values.get(detector) is None:
-            verdict = "no_signal" if raw.get(detector) is None else "baseline"
+            if raw.get(detector) is None:
+                verdict = "no_signal"
+            else:
+                verdict = "flat" if flat and detector == "info_rm" else "baseline"
             return Reading(raw, values, None, None, verdict)
         present = [v for v in values.values() if v is not None]
         vote = max(present) if self.s.vote == "max" else math.fsum(present) / len(present)
