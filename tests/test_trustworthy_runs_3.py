@@ -335,11 +335,18 @@ def double_ctrl_c(proc: subprocess.Popen[str], mark: Path, delay: float | None =
                                            ("then_leave", 0.01), ("then_leave", 0.05)])
 def test_a_second_signal_at_exit_leaves_quietly(tmp_path: Path, soup_home: Path, mode: str,
                                                 delay: float | None) -> None:
-    proc = popen_soup([mode], soup_home, script=SLOW_EXIT, MARK=str(tmp_path / "mark"))
-    code, err = double_ctrl_c(proc, tmp_path / "mark", delay)
     if mode == "old":  # control: as before, the second Ctrl-C is a KeyboardInterrupt in the atexit handler
-        assert "Traceback" in err and "KeyboardInterrupt" in err
+        # (a control of a race: on a loaded machine one try in many has ended without it, so up to 3 tries)
+        errs = []
+        for attempt in range(3):
+            mark = tmp_path / f"mark{attempt}"
+            errs.append(double_ctrl_c(popen_soup([mode], soup_home, script=SLOW_EXIT, MARK=str(mark)), mark)[1])
+            if "Traceback" in errs[-1]:
+                break
+        assert "Traceback" in errs[-1] and "KeyboardInterrupt" in errs[-1], errs
     else:
+        proc = popen_soup([mode], soup_home, script=SLOW_EXIT, MARK=str(tmp_path / "mark"))
+        code, err = double_ctrl_c(proc, tmp_path / "mark", delay)
         assert code == 130 and err == ""
 
 

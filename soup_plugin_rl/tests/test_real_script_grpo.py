@@ -24,10 +24,19 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "real" / "grpo.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("real_grpo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    # the script puts benchmarks/ first on sys.path (for _common); left there, its other scripts' names would
+    # shadow packages for every later test in this process
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location("real_grpo", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if name == "_common":
+                del sys.modules[name]
 
 
 def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path, tmp_path: Path) -> None:

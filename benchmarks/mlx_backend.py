@@ -25,7 +25,7 @@ one step is mlx_lm's time / soup's time for it; the result is the median of thos
 timed step of every pair (robust to the other jobs' bursts, which hit single turns), with each pair's
 whole-run ratio reported beside it. Goal: >= 0.95.
 
-Usage: python soup_plugin_mlx/benchmarks/mlx.py [--pairs 5] [--warmup 2] [--record]
+Usage: python benchmarks/mlx_backend.py [--pairs 5] [--warmup 2] [--record]
 """
 
 from __future__ import annotations
@@ -44,13 +44,8 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# This file is named mlx.py: without this, `import mlx` from its own folder would import this script. Its
-# folder is put back just for _common, as the arms' spawned processes start without it.
-_HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 RESULTS = _common.RESULTS / "mlx.json"
 HIDDEN, LAYERS, BATCH, LENGTH, N_ROWS, LR = 64, 2, 4, 128, 64, 1e-4
