@@ -27,8 +27,9 @@ unjudged by info_rm likewise (verdict ``flat``): its separation is the gap over 
 gap of 1, a number set by the floor and not by the data. On a small batch of a nearly discrete reward
 (8 completions scoring 0 or 1) the separation also scatters widely from step to step (1/√3, 1, √3, …, or
 5.5 once), so a baseline of a few steps is noisy: info_rm's baseline is the median of its observations
-(one outlier does not set it) and its noise the observations' sample standard deviation; only the part of
-a fall beyond that noise counts. With one baseline step the noise is 0: the plain relative drop.
+(one outlier does not set it) and its noise the observations' scaled median absolute deviation (one
+outlier does not inflate it either); only the part of a fall beyond that noise counts. With one baseline
+step the noise is 0: the plain relative drop.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ RAW_KEY = {
 #: The reward spread at or below which a batch is flat: √EPS, the scale below which the separation's
 #: denominator is EPS's and not the rewards' (so the statistic no longer measures the rewards).
 FLAT_STD = math.sqrt(sig.EPS)
+
+#: The median absolute deviation of normal data times this is its standard deviation (1 / Φ⁻¹(3/4)).
+MAD_TO_STD = 1.4826
 
 #: Verdicts under which a checkpoint saved at that step counts as good.
 GOOD_VERDICTS = frozenset({"ok", "warn", "baseline"})
@@ -89,8 +93,12 @@ class Baseline:
 
     @property
     def noise(self) -> float:
-        """The observations' sample standard deviation (0 with fewer than two)."""
-        return statistics.stdev(self.seen) if len(self.seen) > 1 else 0.0
+        """The observations' scatter: their median absolute deviation from the median, times 1.4826 (so
+        that it estimates the standard deviation of normal data, yet one outlier cannot inflate it)."""
+        if len(self.seen) < 2:
+            return 0.0
+        mid = statistics.median(self.seen)
+        return MAD_TO_STD * float(statistics.median(abs(x - mid) for x in self.seen))
 
     def feed(self, observation: float) -> bool:
         """Take an observation while the baseline is open; True if it was taken."""
