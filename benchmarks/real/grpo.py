@@ -15,7 +15,8 @@ reported beside it. Goal: the mean over the seeds minus the base's is larger tha
 
 The reward-hack controller (``training.reward_hack_mitigation: kl_control``, signals info_rm, length_trend and
 repetition, vote max, median smoothing over 4 steps) runs in every seed: it must stay quiet (no beta change) on
-this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged).
+this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged;
+so is one whose halves are constant, and only a fall of the separation beyond its baseline steps' scatter counts).
 The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
 that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
 wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
