@@ -15,7 +15,8 @@ reported beside it. Goal: the mean over the seeds minus the base's is larger tha
 
 The reward-hack controller (``training.reward_hack_mitigation: kl_control``, signals info_rm, length_trend and
 repetition, vote max, median smoothing over 4 steps) runs in every seed: it must stay quiet (no beta change) on
-this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged).
+this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged;
+so is one whose halves are constant, and only a fall of the separation beyond its baseline steps' scatter counts).
 The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
 that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
 wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
@@ -139,6 +140,19 @@ def evaluate(base: str, adapter: Path | None, prompts: list[str], seed: int = 0)
             "greedy_examples": g_text[:4]}
 
 
+def within_std(separation: float | None, reward_std: float | None, n: int = 2 * 4) -> float | None:
+    """The halves' spread of a logged step that predates its publication, from its separation S and sample
+    standard deviation s (n even, the batch size here): the population variance is the within-half part
+    w / 2 plus the between-half part gap² / 4, and gap = S √(w + EPS), so
+    w = (s² (n − 1) / n − S² EPS / 4) / (1 / 2 + S² / 4); the spread is √(w / 2)."""
+    from soup_plugin_rl.hack.signals import EPS
+
+    if separation is None or reward_std is None:
+        return None
+    w = (reward_std**2 * (n - 1) / n - separation**2 * EPS / 4) / (0.5 + separation**2 / 4)
+    return math.sqrt(max(w, 0.0) / 2)
+
+
 def replay(records: list[dict], **settings) -> dict | None:
     """The controller's first action had it read the same steps' statistics with other ``settings`` (valid up to
     that action: a changed beta would have changed the steps after it)."""
@@ -156,6 +170,9 @@ def replay(records: list[dict], **settings) -> dict | None:
         metrics = {signals.N: 1.0, **{RAW_KEY[k]: v for k, v in r["raw"].items() if v is not None}}
         if r.get("reward_std") is not None:  # a flat batch is unjudged
             metrics[signals.REWARD_STD] = r["reward_std"]
+        within = r.get("within_std", within_std(r["raw"].get("info_rm"), r.get("reward_std")))
+        if within is not None:  # so is one with degenerate halves
+            metrics[signals.WITHIN_STD] = within
         reading = detector.read(metrics)
         if reading.smoothed is not None:
             before = law.beta

@@ -273,3 +273,44 @@ def test_a_flat_step_neither_votes_nor_resets_the_evidence(tmp_path):
     assert controller.law.dwell_count == 1
     (action,) = controller.on_step(OptimizerStep(step=4, metrics=flat_or_spread(1.0, 0.4)))
     assert isinstance(action, SetCoefficient) and action.value > 0.125
+
+
+# Per-step statistics logged by benchmarks/real/grpo.py's runs on SmolLM2-135M-Instruct (8 completions a
+# step, a nearly 0-or-1 arithmetic reward): three honest seeds and the planted wordy (length) hack.
+REAL_RUNS = json.loads((Path(__file__).parent / "data_grpo_honest_seeds.json").read_text(encoding="utf-8"))
+REAL_SETTINGS = {  # the script's controller settings
+    "reward_hack_mitigation": "kl_control",
+    "reward_hack_signals": ("info_rm", "length_trend", "repetition"),
+    "reward_hack_vote": "max",
+    "reward_hack_smoothing": "median",
+    "reward_hack_smoothing_window": 4,
+    "reward_hack_baseline_steps": 2,
+}
+
+
+def replay_real(tmp_path: Path, rows: list[list[float]]) -> list[int]:
+    """The steps at which kl_control changes β on these logged statistics."""
+    controller = start(tmp_path, make_config(beta=0.04, **REAL_SETTINGS))
+    acted = []
+    for step, (separation, length, repetition, std, within) in enumerate(rows, start=1):
+        m = {**metrics(separation), sig.LENGTH_MEAN: length, sig.REPETITION: repetition, sig.REWARD_STD: std}
+        if controller.on_step(OptimizerStep(step=step, metrics={**m, sig.WITHIN_STD: within})):
+            acted.append(step)
+    return acted
+
+
+@pytest.mark.parametrize("seed", ["seed0", "seed1", "seed2"])
+def test_the_real_honest_seeds_statistics_do_not_move_beta(tmp_path, seed):
+    # The separation of 8 completions scatters (seed 2's first two steps: 5.54 and 1.51; halves that are
+    # constant give up to 1000): the detector before the median baseline, its noise and the degenerate-halves
+    # rule raised β on seeds 1 (from step 24) and 2 (from step 5) of these honest runs.
+    assert replay_real(tmp_path, REAL_RUNS[seed]) == []
+
+
+def test_a_real_drop_and_the_real_length_hack_still_move_beta(tmp_path):
+    # The controls: seed 1's statistics with the separation falling to a fifth of its baseline from step 8
+    # (the halves still spread), and the planted wordy hack's own log (completions growing: length_trend).
+    seed1 = enumerate(REAL_RUNS["seed1"], start=1)
+    rows = [[r[0] / 5, *r[1:]] if step >= 8 and r[3] > 0.01 else r for step, r in seed1]
+    assert replay_real(tmp_path / "drop", rows)[:1] == [11]  # median of 4 votes, then dwell 2
+    assert replay_real(tmp_path / "wordy", REAL_RUNS["hack_wordy"])[:1] == [16]

@@ -10,7 +10,7 @@ import pytest
 
 from soup_plugin_rl.hack import signals as sig
 from soup_plugin_rl.hack.config import HackSettings
-from soup_plugin_rl.hack.detect import Detector, Smoother, drop
+from soup_plugin_rl.hack.detect import MAD_TO_STD, Detector, Smoother, drop
 
 # ------------------------------------------------------------------------------------------ raw signals
 
@@ -105,22 +105,37 @@ def step_metrics(separation=None, divergence=None, length=None, repetition=None)
 
 
 def test_info_rm_baseline_drop_and_verdicts():
-    det = Detector(HackSettings(mitigation="log_only", baseline_steps=2))
-    assert det.read(step_metrics(separation=3.0)).verdict == "baseline"
-    assert det.read(step_metrics(separation=5.0)).verdict == "baseline"
-    assert det.baseline("info_rm") == 4.0  # the mean of the first two
+    det = Detector(HackSettings(mitigation="log_only", baseline_steps=3))
+    for separation in (5.0, 3.0, 4.0):
+        assert det.read(step_metrics(separation=separation)).verdict == "baseline"
+    noise = det.baselines["info_rm"].noise
+    assert det.baseline("info_rm") == 4.0 and noise == MAD_TO_STD  # the median; its median |deviation| is 1
+    # only the fall beyond the noise counts: (4 − separation − noise) / 4
     cases = [
         (4.0, 0.0, "ok"),
-        (3.75, 0.0625, "ok"),
-        (3.5, 0.125, "warn"),
-        (2.8, 0.3, "hack"),
+        (4.0 - noise, 0.0, "ok"),
+        (4.0 - noise - 0.25, 0.0625, "ok"),
+        (4.0 - noise - 0.5, 0.125, "warn"),
+        (4.0 - noise - 1.2, 0.3, "hack"),
         (6.0, 0.0, "ok"),
     ]
     for separation, expected_drop, verdict in cases:
         r = det.read(step_metrics(separation=separation))
-        assert r.vote == pytest.approx(expected_drop, abs=1e-15) and r.verdict == verdict
+        assert r.vote == pytest.approx(expected_drop, abs=1e-12) and r.verdict == verdict
     r = det.read(step_metrics())
     assert r.verdict == "no_signal" and r.vote is None
+    # one baseline step: no noise, the plain relative drop
+    det = Detector(HackSettings(mitigation="log_only", baseline_steps=1))
+    det.read(step_metrics(separation=4.0))
+    assert det.read(step_metrics(separation=3.0)).vote == 0.25
+
+
+def test_an_outlier_does_not_set_the_info_rm_baseline():
+    det = Detector(HackSettings(mitigation="log_only", baseline_steps=3))
+    for separation in (2.0, 2.0, 1000.0):
+        det.read(step_metrics(separation=separation))
+    assert det.baseline("info_rm") == 2.0  # the mean would be 334.7: every later step a drop of 0.99
+    assert det.baselines["info_rm"].noise == 0.0  # the standard deviation would be 576: no drop ever counts
 
 
 def test_a_non_positive_health_does_not_set_the_baseline():
@@ -177,3 +192,16 @@ def test_the_verdict_follows_the_smoothed_vote():
     r2 = det.read(step_metrics(separation=4.0))  # vote 0, smoothed 0.25
     assert (r1.smoothed, r1.verdict) == (0.5, "hack")
     assert (r2.vote, r2.smoothed, r2.verdict) == (0.0, 0.25, "warn")
+
+
+def test_degenerate_halves_are_unjudged_by_info_rm():
+    # Both halves constant: the separation is the gap over √EPS (1000 here), set by the floor, not the data.
+    degenerate = sig.publish_rewards({"r": [0.0] * 4 + [1.0] * 4})
+    assert degenerate[sig.WITHIN_STD] == 0.0 and degenerate[sig.SEPARATION] == pytest.approx(1000.0, rel=1e-6)
+    spread = sig.publish_rewards({"r": [0.0, 0.0, 0.2, 0.2, 0.8, 0.8, 1.0, 1.0]})
+    assert spread[sig.WITHIN_STD] == pytest.approx(0.1, abs=1e-15)  # √((0.01 + 0.01) / 2)
+    det = Detector(HackSettings(mitigation="log_only"))
+    assert det.read(spread).verdict == "baseline"
+    r = det.read(degenerate)
+    assert r.verdict == "flat" and r.values["info_rm"] is None and r.vote is None
+    assert det.read(spread).verdict == "ok"  # the control: halves with a spread are judged

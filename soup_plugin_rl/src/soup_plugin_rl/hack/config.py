@@ -102,7 +102,8 @@ TUNABLES: tuple[Tunable, ...] = (
         Count,
         1,
         _WATCH,
-        "the first steps with a signal set each signal's healthy baseline (their mean); no verdict then.",
+        "the first steps with a signal set each signal's healthy baseline (their mean; info_rm's: their "
+        "median, and only a fall beyond their scatter counts); no verdict then.",
     ),
     Tunable(
         "warn_at", _TYPES + "OpenUnit", 0.10, _WATCH, "the vote from which a step is judged warn."

@@ -237,6 +237,7 @@ class RewardHackController(Controller):
             "reason": reason,
             "reward_mean": metrics.get(sig.REWARD_MEAN, metrics.get("reward")),
             "reward_std": metrics.get(sig.REWARD_STD, metrics.get("reward_std")),
+            "within_std": metrics.get(sig.WITHIN_STD),
         }
 
     def _postmortem(self, step: int) -> str | None:

@@ -3,22 +3,33 @@
 Each signal turns its raw statistic (see :mod:`soup_plugin_rl.hack.signals`) into a value in [0, 1],
 where 0 is healthy:
 
-- ``info_rm``: health = the separation; value = drop = ``max(0, (baseline − health) / baseline)``.
+- ``info_rm``: health = the separation; value = its drop beyond its noise,
+  ``clamp((baseline − health − noise) / baseline, 0, 1)`` (below).
 - ``rm_ensemble``: health = ``1 / (1 + divergence)``; value = its drop from the baseline, likewise.
 - ``length_trend``: value = ``clamp((length − baseline) / baseline, 0, 1)`` (completions growing).
 - ``repetition``: value = the repetition share itself (already in [0, 1]; no baseline).
 
-A baseline is the mean of a signal's first ``baseline_steps`` positive observations; until it is set the
-signal has no value. The vote is the mean (or max) of the values present, smoothed over judged steps;
-the verdict is ``hack`` at or above ``hack_at``, ``warn`` at or above ``warn_at``, else ``ok``. Without
-the detector's own value there is no verdict: ``baseline`` while its baseline is being set,
-``no_signal`` when the step published no statistic for it, ``flat`` when the batch's rewards had no spread.
+A baseline is the mean of a signal's first ``baseline_steps`` positive observations (info_rm's: their
+median); until it is set the signal has no value. The vote is the mean (or max) of the values present,
+smoothed over judged steps; the verdict is ``hack`` at or above ``hack_at``, ``warn`` at or above
+``warn_at``, else ``ok``. Without the detector's own value there is no verdict: ``baseline`` while its
+baseline is being set, ``no_signal`` when the step published no statistic for it, ``flat`` when the
+batch's rewards (or its halves, below) had no spread.
 
 A flat batch (sample standard deviation of the summed rewards at most ``FLAT_STD``) gives info_rm no
 value: its separation is 0/0 there (the EPS under the square root makes it 0), the same whether the
 policy has mastered an honest reward (every completion right) or collapsed onto a gamed one, so it is
 evidence of neither. Such a step is unjudged: it neither votes (no hack) nor enters the smoothing window
 or the laws' counts (no reset of the evidence gathered so far), and it never sets the baseline.
+
+A batch whose halves are degenerate (the spread inside them, ``within_std``, at most ``FLAT_STD``) is
+unjudged by info_rm likewise (verdict ``flat``): its separation is the gap over √EPS, up to 1000 for a
+gap of 1, a number set by the floor and not by the data. On a small batch of a nearly discrete reward
+(8 completions scoring 0 or 1) the separation also scatters widely from step to step (1/√3, 1, √3, …, or
+5.5 once), so a baseline of a few steps is noisy: info_rm's baseline is the median of its observations
+(one outlier does not set it) and its noise the observations' scaled median absolute deviation (one
+outlier does not inflate it either); only the part of a fall beyond that noise counts. With one baseline
+step the noise is 0: the plain relative drop.
 """
 
 from __future__ import annotations
@@ -45,6 +56,9 @@ RAW_KEY = {
 #: denominator is EPS's and not the rewards' (so the statistic no longer measures the rewards).
 FLAT_STD = math.sqrt(sig.EPS)
 
+#: The median absolute deviation of normal data times this is its standard deviation (1 / Φ⁻¹(3/4)).
+MAD_TO_STD = 1.4826
+
 #: Verdicts under which a checkpoint saved at that step counts as good.
 GOOD_VERDICTS = frozenset({"ok", "warn", "baseline"})
 
@@ -65,14 +79,26 @@ def drop(baseline: float, value: float) -> float:
 
 @dataclass
 class Baseline:
-    """The mean of the first ``steps`` positive observations."""
+    """The mean (``robust``: the median) of the first ``steps`` positive observations."""
 
     steps: int
+    robust: bool = False
     seen: list[float] = field(default_factory=list)
 
     @property
     def value(self) -> float | None:
-        return math.fsum(self.seen) / len(self.seen) if len(self.seen) >= self.steps else None
+        if len(self.seen) < self.steps:
+            return None
+        return float(statistics.median(self.seen)) if self.robust else math.fsum(self.seen) / len(self.seen)
+
+    @property
+    def noise(self) -> float:
+        """The observations' scatter: their median absolute deviation from the median, times 1.4826 (so
+        that it estimates the standard deviation of normal data, yet one outlier cannot inflate it)."""
+        if len(self.seen) < 2:
+            return 0.0
+        mid = statistics.median(self.seen)
+        return MAD_TO_STD * float(statistics.median(abs(x - mid) for x in self.seen))
 
     def feed(self, observation: float) -> bool:
         """Take an observation while the baseline is open; True if it was taken."""
@@ -137,7 +163,11 @@ class Detector:
     def __init__(self, settings: HackSettings) -> None:
         self.s = settings
         self.names = settings.active_signals
-        self.baselines = {n: Baseline(settings.baseline_steps) for n in self.names if n != "repetition"}
+        self.baselines = {
+            name: Baseline(settings.baseline_steps, robust=name == "info_rm")
+            for name in self.names
+            if name != "repetition"
+        }
         self.smoother = Smoother(settings.smoothing, settings.smoothing_window)
 
     def baseline(self, name: str) -> float | None:
@@ -147,7 +177,9 @@ class Detector:
     def read(self, metrics: Mapping[str, Any]) -> Reading:
         raw = {name: _finite(metrics, RAW_KEY[name]) for name in self.names}
         spread = _finite(metrics, sig.REWARD_STD)
-        flat = spread is not None and spread <= FLAT_STD
+        within = _finite(metrics, sig.WITHIN_STD)
+        # flat for info_rm: no spread in the batch, or none inside its halves (the separation is EPS's)
+        flat = (spread is not None and spread <= FLAT_STD) or (within is not None and within <= FLAT_STD)
         values: dict[str, float | None] = {}
         for name in self.names:
             x = raw[name]
@@ -162,6 +194,8 @@ class Detector:
                     values[name] = None  # still setting the baseline
                 elif name == "length_trend":
                     values[name] = clamp((h - base.value) / base.value, 0.0, 1.0)
+                elif name == "info_rm":
+                    values[name] = clamp((base.value - h - base.noise) / base.value, 0.0, 1.0)
                 else:
                     values[name] = drop(base.value, h)
         detector = self.s.detector

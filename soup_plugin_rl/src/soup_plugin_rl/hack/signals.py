@@ -21,6 +21,7 @@ SEPARATION = "soup/hack/separation"  # info_rm: top vs bottom half of the summed
 DIVERGENCE = "soup/hack/divergence"  # rm_ensemble: disagreement across the reward functions
 REWARD_MEAN = "soup/hack/reward_mean"  # of the weighted sum over reward functions, as trl's ``reward``
 REWARD_STD = "soup/hack/reward_std"  # its sample standard deviation, as trl's ``reward_std``
+WITHIN_STD = "soup/hack/within_std"  # info_rm: the spread inside the halves, √((var_top + var_bottom) / 2)
 LENGTH_MEAN = "soup/hack/length_mean"  # mean completion length, in whitespace-separated words
 REPETITION = "soup/hack/repetition"  # mean share of repeated word trigrams per completion
 
@@ -48,6 +49,16 @@ def _pvar(values: Sequence[float]) -> float:
     return math.fsum((v - mu) ** 2 for v in values) / len(values)
 
 
+def _halves(rewards: Sequence[float]) -> tuple[list[float], list[float]] | None:
+    """The sorted finite rewards' bottom and top halves (the middle one left out when their number is odd);
+    None with fewer than 4."""
+    values = sorted(v for v in (_num(r) for r in rewards) if math.isfinite(v))
+    if len(values) < MIN_SEPARATION_SAMPLES:
+        return None
+    half = len(values) // 2
+    return values[:half], values[len(values) - half :]
+
+
 def separation(rewards: Sequence[float]) -> float | None:
     """InfoRM-style cluster separation of one batch's rewards (Wang et al. 2024, arXiv:2402.09345).
 
@@ -56,12 +67,21 @@ def separation(rewards: Sequence[float]) -> float | None:
     variances. A policy that exploits the reward model pushes its completions' rewards together at the
     top: the separation falls. None with fewer than 4 finite rewards.
     """
-    values = sorted(v for v in (_num(r) for r in rewards) if math.isfinite(v))
-    if len(values) < MIN_SEPARATION_SAMPLES:
+    halves = _halves(rewards)
+    if halves is None:
         return None
-    half = len(values) // 2
-    bottom, top = values[:half], values[len(values) - half :]
+    bottom, top = halves
     return (_mean(top) - _mean(bottom)) / math.sqrt(_pvar(top) + _pvar(bottom) + EPS)
+
+
+def within_std(rewards: Sequence[float]) -> float | None:
+    """The spread inside the halves the separation is taken on, ``√((var_top + var_bottom) / 2)``; at or
+    below √EPS the separation's denominator is EPS's, not the data's. None with fewer than 4 rewards."""
+    halves = _halves(rewards)
+    if halves is None:
+        return None
+    bottom, top = halves
+    return math.sqrt((_pvar(top) + _pvar(bottom)) / 2)
 
 
 def ensemble_divergence(per_function: Sequence[Sequence[float]]) -> float | None:
@@ -163,6 +183,7 @@ def publish_rewards(
     sep = separation(totals)
     if sep is not None:
         out[SEPARATION] = sep
+        out[WITHIN_STD] = within_std(totals)
     div = ensemble_divergence(columns)
     if div is not None:
         out[DIVERGENCE] = div
