@@ -24,6 +24,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
+#: When the script that imported this module started (near enough: scripts import it first).
+STARTED = time.monotonic()
 
 
 def say(message: str) -> None:
@@ -53,11 +55,21 @@ def machine(**extra: Any) -> dict[str, Any]:
     }
 
 
+def run_cost() -> dict[str, Any]:
+    """What the script has cost so far: wall seconds since it started, CPU seconds of its process and of the
+    children it waited for, and the load average now (how busy the machine was: on 2 cores, a load above 2
+    stretches the wall time)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return {"wall_s": round(time.monotonic() - STARTED, 1), "cpu_s": round(cpu, 1), "load_average": load_average()}
+
+
 def record(name: str | Path, result: dict[str, Any], merge: Callable[[Any], Any] | None = None) -> Path:
     """Write ``result`` to ``results/<name>.json`` (or to the path ``name``) atomically: a reader sees the old
     file or the new one. A script that measures parts, or keeps earlier runs, passes ``merge(old)``: it builds
     what to write from the recorded content (``None`` when there is none or it is not JSON), so ``--record``
-    replaces only what was measured."""
+    replaces only what was measured. The written result carries ``recorded_by``: what the recording run cost
+    (:func:`run_cost`; for a merged result, the run that wrote it last)."""
     from soup_core.io import atomic_write
 
     path = name if isinstance(name, Path) else RESULTS / f"{name}.json"
@@ -67,6 +79,8 @@ def record(name: str | Path, result: dict[str, Any], merge: Callable[[Any], Any]
         except (OSError, ValueError):
             old = None
         result = merge(old)
+    if isinstance(result, dict):
+        result = {**result, "recorded_by": run_cost()}
     atomic_write(path, json.dumps(result, indent=2) + "\n")
     say(f"wrote {path}")
     return path
