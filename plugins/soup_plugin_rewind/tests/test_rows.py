@@ -289,3 +289,37 @@ def test_a_bare_carriage_return_splits_no_line(tmp_path: Path) -> None:
         fh.write(b'{"kind": "batch", "st\rep": 3}\n')
     log = read_log(path)
     assert (log.skipped.corrupt, log.skipped.truncated, list(log.steps)) == (1, 0, [1, 2])
+
+
+def test_a_line_is_summed_left_to_right_not_with_compensation(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines whose products a compensated sum (Python 3.12's ``sum()`` of floats) rounds otherwise: the block
+    reader's totals still equal the line-by-line reader's, byte for byte, with or without numpy."""
+    import math
+
+    import soup_plugin_rewind.blocks as block_reader
+    from soup_plugin_rewind.recorder import encode_batch
+
+    path = write_log(tmp_path / "rewind.jsonl", [], n_rows=400)
+    with open(path, "ab") as fh:  # 1e16 + 1.0 is 1e16 left to right: the line's total is 0.0, compensated 1.0
+        fh.writelines(encode_batch(s, 0, [3 * s % 400, (3 * s + 1) % 400, (3 * s + 2) % 400], [1e16, 1.0, -1e16],
+                                   [1, 1, 1]) for s in range(1, 300))
+
+    def read(fold: Any = None, numpy: bool = True, whole_blocks: bool = True) -> Any:
+        with monkeypatch.context() as patch:
+            if fold is not None:
+                patch.setattr(block_reader, "_fold", fold)
+            if not numpy:
+                patch.setattr(block_reader, "numpy_module", lambda: None)
+            if not whole_blocks:
+                patch.setattr(block_reader, "fast_block", lambda *args: None)
+            return read_log(path, sightings=True)
+
+    by_line = read(whole_blocks=False)
+    assert set(by_line.loss_sum) == {0.0}
+    assert bytes(read(numpy=False).loss_sum) == bytes(by_line.loss_sum)
+    if block_reader.numpy_module() is not None:
+        assert bytes(read().loss_sum) == bytes(by_line.loss_sum)
+    # the control: a compensated sum in the block reader's place gives other totals
+    compensated = read(fold=math.fsum, numpy=False)
+    assert bytes(compensated.loss_sum) != bytes(by_line.loss_sum) and 1.0 in set(compensated.loss_sum)

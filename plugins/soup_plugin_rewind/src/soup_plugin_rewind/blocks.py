@@ -12,8 +12,9 @@ import io
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import accumulate, chain, compress, repeat
-from operator import itemgetter, mul, sub
+from operator import add, itemgetter, mul, sub
 from typing import Any
 
 try:  # orjson is several times faster than json; the reader works without it
@@ -139,7 +140,7 @@ def fast_block(lines: list[bytes], block_start: int, cur: int, steps: array, los
             line_loss, line_tok, step_col = by_np
         else:
             line_tok = list(map(sum, toks))
-            line_loss = list(map(sum, map(map, repeat(mul), losses, toks)))
+            line_loss = [_fold(map(mul, loss, tok)) for loss, tok in zip(losses, toks, strict=True)]
             step_col = None
     except (ValueError, TypeError, KeyError, OverflowError):  # orjson's JSONDecodeError is a ValueError
         return None
@@ -259,7 +260,7 @@ class Columns:
         if int(tok.max()) >= 1 << 53:  # a token count a float64 does not hold exactly: Python's arithmetic
             loss_col, tok_col = sight.loss[s0:], sight.tokens[s0:]
             lines = range(0, len(tok_col), k)
-            line_loss = array("d", (sum(map(mul, loss_col[i:i + k], tok_col[i:i + k])) for i in lines))
+            line_loss = array("d", (_fold(map(mul, loss_col[i:i + k], tok_col[i:i + k])) for i in lines))
         else:
             line_loss = _line_loss(np, np.frombuffer(sight.loss, dtype=np.float64)[s0:].reshape(-1, k), tok)
         line_tok = array("q", tok.sum(axis=1, dtype=np.int64).tobytes())
@@ -291,6 +292,12 @@ def _np_block(np: Any, flat_loss: array, flat_toks: array, step_of: Sequence[int
     if int(tok2.min()) > 0:
         step_col = array("Q", np.repeat(np.array(step_of, dtype=np.uint64), k).tobytes())
     return line_loss, line_tok, step_col
+
+
+def _fold(products: Iterable[float]) -> float:
+    """A line's loss x tokens sum, left to right from 0.0 as the line-by-line reader adds them. Not ``sum()``:
+    from Python 3.12 on it adds floats with compensation, which rounds differently."""
+    return reduce(add, products, 0.0)
 
 
 def _line_loss(np: Any, loss: Any, tok: Any) -> array:
