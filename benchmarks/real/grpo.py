@@ -42,6 +42,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -195,6 +196,9 @@ def controller_log(out: Path) -> dict:
             "final_beta": records[-1]["beta_after"] if records else None,
             "reward_first_last": [records[0]["reward_mean"], records[-1]["reward_mean"]] if records else None,
             "repetition_last": records[-1]["raw"].get("repetition") if records else None,
+            # step, training reward, mean completion length in words, beta after the step, verdict
+            "per_step": [[r["step"], round(r["reward_mean"], 4), r["raw"].get("length_trend"),
+                          round(r["beta_after"], 4), r["verdict"]] for r in records],
             "replay_vote_mean_first_action": replay(records, vote="mean")}
 
 
@@ -254,7 +258,8 @@ def main() -> None:
                         help="seeds (base and trained seeds), hack (the planted hackable run), or both; --record "
                              "keeps the recorded values of a part not run")
     parser.add_argument("--hack-reward", choices=["repeat", "wordy"], default="repeat",
-                        help="the planted hackable reward (wordy records under hack_wordy)")
+                        help="the planted hackable reward (wordy records under hack_wordy; the hack run takes the "
+                             "first of --seeds, and a seed other than 0 records under hack_wordy_seedN)")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small pretrained model's folder")
     parser.add_argument("--record", action="store_true")
@@ -308,9 +313,12 @@ def main() -> None:
         summarise(result)
     if "hack" in parts:
         name = "hack" if args.hack_reward == "repeat" else f"hack_{args.hack_reward}"
+        name += f"_seed{args.seeds[0]}" if args.seeds[0] != 0 else ""  # another seed's hack run is kept beside
+        started, load_before = time.perf_counter(), _common.load_average()
         out = train(base, work, env, name, args.hack_reward, args.seeds[0], args.steps, batch)
         result[name] = {"reward": args.hack_reward, "seed": args.seeds[0], "steps": args.steps,
-                        "controller": controller_log(out)}
+                        "controller": controller_log(out), "wall_s": round(time.perf_counter() - started, 1),
+                        "load_average_before": load_before}  # the part's wall time on a shared machine
         result[f"controller_acts_on_{name}"] = result[name]["controller"]["acted"]
     result.update(_common.machine(torch=torch.__version__))
     print(json.dumps(result, indent=2))
