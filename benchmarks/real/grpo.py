@@ -20,10 +20,12 @@ so is one whose halves are constant, and only a fall of the separation beyond it
 The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
 that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
 wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
-Both runs' ``mitigation_log.jsonl`` actions are recorded.
+Both runs' ``mitigation_log.jsonl`` actions are recorded, with each step's training reward, mean length, beta and
+verdict; the hack part also records its wall time.
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
-       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12)
+       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12;
+       the 40-step wordy hack part 16-19 minutes at a load average of 1-7)
        python benchmarks/real/grpo.py --combine s0.json s1.json s2.json [--record]   (the seeds as parallel
        processes: each `--parts seeds --seeds N > sN.json`, then one result from their printed JSON)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
