@@ -20,10 +20,12 @@ so is one whose halves are constant, and only a fall of the separation beyond it
 The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
 that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
 wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
-Both runs' ``mitigation_log.jsonl`` actions are recorded.
+Both runs' ``mitigation_log.jsonl`` actions are recorded, with each step's training reward, mean length, beta and
+verdict; the hack part also records its wall time.
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
-       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12)
+       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12;
+       the 40-step wordy hack part 16-19 minutes at a load average of 1-7)
        python benchmarks/real/grpo.py --combine s0.json s1.json s2.json [--record]   (the seeds as parallel
        processes: each `--parts seeds --seeds N > sN.json`, then one result from their printed JSON)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
@@ -42,6 +44,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -195,6 +198,9 @@ def controller_log(out: Path) -> dict:
             "final_beta": records[-1]["beta_after"] if records else None,
             "reward_first_last": [records[0]["reward_mean"], records[-1]["reward_mean"]] if records else None,
             "repetition_last": records[-1]["raw"].get("repetition") if records else None,
+            # step, training reward, mean completion length in words, beta after the step, verdict
+            "per_step": [[r["step"], round(r["reward_mean"], 4), r["raw"].get("length_trend"),
+                          round(r["beta_after"], 4), r["verdict"]] for r in records],
             "replay_vote_mean_first_action": replay(records, vote="mean")}
 
 
@@ -254,7 +260,8 @@ def main() -> None:
                         help="seeds (base and trained seeds), hack (the planted hackable run), or both; --record "
                              "keeps the recorded values of a part not run")
     parser.add_argument("--hack-reward", choices=["repeat", "wordy"], default="repeat",
-                        help="the planted hackable reward (wordy records under hack_wordy)")
+                        help="the planted hackable reward (wordy records under hack_wordy; the hack run takes the "
+                             "first of --seeds, and a seed other than 0 records under hack_wordy_seedN)")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small pretrained model's folder")
     parser.add_argument("--record", action="store_true")
@@ -308,9 +315,12 @@ def main() -> None:
         summarise(result)
     if "hack" in parts:
         name = "hack" if args.hack_reward == "repeat" else f"hack_{args.hack_reward}"
+        name += f"_seed{args.seeds[0]}" if args.seeds[0] != 0 else ""  # another seed's hack run is kept beside
+        started, load_before = time.perf_counter(), _common.load_average()
         out = train(base, work, env, name, args.hack_reward, args.seeds[0], args.steps, batch)
         result[name] = {"reward": args.hack_reward, "seed": args.seeds[0], "steps": args.steps,
-                        "controller": controller_log(out)}
+                        "controller": controller_log(out), "wall_s": round(time.perf_counter() - started, 1),
+                        "load_average_before": load_before}  # the part's wall time on a shared machine
         result[f"controller_acts_on_{name}"] = result[name]["controller"]["acted"]
     result.update(_common.machine(torch=torch.__version__))
     print(json.dumps(result, indent=2))

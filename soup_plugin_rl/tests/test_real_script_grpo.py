@@ -63,6 +63,8 @@ def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path, tmp_path: Pat
     assert result["goal_rise_beyond_spread"] is None  # one seed has no spread to judge against
     for log in [s["controller"] for s in result["seeds"].values()] + [result["hack"]["controller"]]:
         assert log["steps_judged"] == 2 and log["final_beta"] == pytest.approx(0.04)
+        assert [row[0] for row in log["per_step"]] == [1, 2] and log["per_step"][-1][3] == log["final_beta"]
+    assert result["hack"]["wall_s"] > 0 and len(result["hack"]["load_average_before"]) == 3
     assert isinstance(result["controller_quiet_on_honest"], bool)
     assert isinstance(result["controller_acts_on_hack"], bool)
 
