@@ -81,7 +81,6 @@ class UpdateGate:
         self.redoing = False  # the step's micro-batches run again: counted and reported once already
         self.redone = False  # ... and the step's update is that of the redo
         self.redo_reasons: list[Any] = []
-        self.local_loss: Any = None  # this rank's step loss, before it is reduced over ranks
         self.overflow = False  # the gradient scaler found this step's scaled gradient not finite
         self.skipped_steps: list[int] = []
         self.said_off = False
@@ -181,7 +180,6 @@ class UpdateGate:
     def _step_loss(self) -> float | None:
         trainer = self.trainer
         loss, trainer._soup_step_loss = trainer._soup_step_loss, None
-        self.local_loss = loss
         if loss is None:
             return None
         if trainer.accelerator.num_processes > 1:
@@ -211,9 +209,9 @@ class UpdateGate:
         ))
         redo = self._redo_asked(actions)
         redone = self.redone = redo is not None and self._redo(model, redo)
-        if redone:
+        if redone:  # the step's loss stays the one its rows met (rewind's); the watchdog judges the redo's
             actions = [a for a in actions if not (isinstance(a, SkipUpdate) and a.redo_without)]
-            grad_norm, loss = self._redone_norm(model), self.loss
+            grad_norm, loss = self._redone_norm(model), self._step_loss()
             norm = None if grad_norm is None else float(grad_norm)
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         # fp16: the scaler skips an update whose scaled gradient overflowed and lowers its scale itself
@@ -304,7 +302,7 @@ class UpdateGate:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         model.zero_grad(set_to_none=True)
-        first, trainer._soup_step_loss = self.local_loss, None
+        trainer._soup_step_loss = None
         accelerator = trainer.accelerator
         self.redoing = True
         try:
@@ -316,11 +314,6 @@ class UpdateGate:
         finally:
             self.redoing = False
             accelerator.gradient_state._set_sync_gradients(True)
-        local = trainer._soup_step_loss
-        tr_loss = getattr(trainer, "_tr_loss", None)
-        if tr_loss is not None and local is not None and first is not None and bool(torch.isfinite(first)):
-            trainer._tr_loss = tr_loss + (local - first).to(tr_loss.device)  # the step's loss: the redone one
-        self.loss = self._step_loss()
         return True
 
     def _redone_norm(self, model: Any) -> Any:
