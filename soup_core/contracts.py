@@ -237,9 +237,12 @@ class Stop(NamedTuple):
 
 
 class SkipUpdate(NamedTuple):
-    """``before_update`` action: the pending optimizer update is not applied (the step counts, skipped)."""
+    """``before_update`` action: the pending optimizer update is not applied (the step counts, skipped).
+    ``redo_without``: rows that spoilt it; a backend that can computes the step again without them (and
+    any excluded rows) and applies that update instead; one that cannot, or every row gone, skips it."""
 
     reason: str
+    redo_without: tuple[int, ...] = ()
 
 
 class ExcludeRows(NamedTuple):

@@ -8,7 +8,8 @@ float32, 3 epochs. The runs:
 - ``guarded``: the data with the poisoned row, ``spike_guard: quarantine``;
 - ``masked``: the same data and the same shuffled order, the poisoned row left out from step 1 (no loss from
   it: the ``ExcludeRows`` the guard itself applies, from the start; trained in this process, through the CLI's
-  own code): what the guard should come close to, batch for batch;
+  own code): what the guard should come close to, batch for batch (it redoes the quarantined step without the
+  row, so the two adapters are compared tensor by tensor too: ``adapters_equal``);
 - ``clean``: the data without that row (the guard off). Removing a row changes every epoch's shuffled order
   (67 rows against 66), so this differs from the guarded run in its batches from step 1 as well;
 - ``clean_order<S>`` (``--orders S,...``): the clean run again with ``data.seed`` S instead of 42: only the
@@ -53,6 +54,15 @@ def held_out_rows(path: Path) -> Path:
                                       {"role": "assistant", "content": f"{fact['fact']}."}]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def adapters_equal(a: Path, b: Path) -> bool:
+    """Whether two runs' adapters hold the same tensors, bit for bit (``torch.equal`` on each)."""
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = (load_file(str(d / "adapter_model.safetensors")) for d in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def leave_out_plugin(row: int) -> object:
@@ -170,6 +180,7 @@ def main() -> None:
         held["order_spread"] = round((max(values) - min(values)) / min(values), 5)  # (max - min) / min
         held["guarded_gap_to_nearest_order"] = round(min((losses["guarded"] / v - 1 for v in values), key=abs), 5)
     result["held_out"] = held
+    held["adapters_equal"] = adapters_equal(work / "guarded" / "output", work / "masked" / "output")
     result["goals"] = {"quarantined_rows": quarantined, "only_the_poisoned_row": quarantined == [qs.POISONED_ROW],
                        "rewind_first": result["guarded"]["rewind_top_rows"][:1] == [qs.POISONED_ROW],
                        "held_out_within_1_percent_of_masked": abs(held["gap_to_masked"]) <= 0.01}

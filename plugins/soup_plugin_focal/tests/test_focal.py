@@ -60,13 +60,17 @@ def test_rewind_ranks_the_poisoned_row_first(run_training, tmp_path: Path, torch
 
 def test_the_spike_guard_quarantines_the_poisoned_row_alone(run_training, tmp_path: Path, torch_one_thread) -> None:
     """The rewind plugin's guard (issue 28: it acts on outliers only) still takes row 29 of the sample, and no
-    other row; the Done line counts it."""
+    other row, and its step is redone without it (focal's loss is a per-token objective: the redo runs it again);
+    the Done line counts the row."""
     result = run_training(sample_config(tmp_path, spike_guard="quarantine"), plugins=[("focal", focal)])
     records = [json.loads(x) for x in (result.output_dir / "quarantine.jsonl").read_text().splitlines()]
     assert [r["row"] for r in records] == [POISONED] and records[0]["line"] == POISONED + 1, records
     later = [m for m in result.micro if m.step > records[0]["step"] and POISONED in m.rows]
     assert later and all(m.row_tokens[m.rows.index(POISONED)] == 0 for m in later)  # never trained on again
-    assert "(1 training row excluded, 1 update skipped" in result.output
+    step = records[0]["step"]
+    assert f"step {step}: computed again without row {POISONED}, its update applied" in result.output
+    assert [s.metrics.get("update_redone") for s in result.steps if s.step == step] == [1.0]
+    assert "(1 training row excluded: the run's output above names each)" in result.output
 
 
 def first_step_losses(run_training, tmp_path: Path, **config: Any) -> dict[int, float]:

@@ -103,7 +103,7 @@ def test_a_non_finite_row_is_quarantined_at_once(tmp_path):
 def test_the_printed_action_names_the_row_its_file_and_line_and_the_rule(run_training, tmp_path):
     """One quickstart run with its poisoned row (control of the real runs below: the guard still acts): the
     printed action states the rule's numbers and the row's file and line; the Done line, the model card and
-    ``soup runs show`` count what was taken out."""
+    ``soup runs show`` count what was taken out: the row (its step was redone without it, no update skipped)."""
     from typer.testing import CliRunner
 
     from soup_core.default_plugins.commands.quickstart import POISONED_ROW, synthetic_rows
@@ -114,17 +114,17 @@ def test_the_printed_action_names_the_row_its_file_and_line_and_the_rule(run_tra
     result = run_training(_config(data, max_steps=33, seed=0))
     assert "update_ratio" in result.steps[-1].metrics  # the watchdog ran beside the guard, and let it act
     [said] = [line for line in result.output.splitlines() if "spike guard:" in line]
-    assert "step 32: update skipped (spike guard: step 32's loss" in said, said
+    assert "step 32: computed again without row 17, its update applied (spike guard: step 32's loss" in said, said
     assert "at least 3 over it and the previous step, and 4 robust deviations" in said, said
     assert f"quarantined row {POISONED_ROW} ({data} line {POISONED_ROW + 1}), loss " in said, said
     done = next(line for line in result.output.splitlines() if line.startswith("Done."))
-    assert done.endswith("(1 training row excluded, 1 update skipped: the run's output above names each)"), done
+    assert done.endswith("(1 training row excluded: the run's output above names each)"), done
     card = (result.output_dir / "README.md").read_text()
-    assert "- training rows excluded by a controller: 1\n- updates skipped by a controller: 1\n" in card
+    assert "- training rows excluded by a controller: 1\n" in card and "updates skipped" not in card
     shown = CliRunner().invoke(runs_app, ["show", result.run_id], env={"COLUMNS": "200"})
     assert shown.exit_code == 0, shown.output
     assert re.search(r"summary\.rows_excluded +1\b", shown.output), shown.output
-    assert re.search(r"summary\.updates_skipped +1\b", shown.output), shown.output
+    assert "summary.updates_skipped" not in shown.output, shown.output  # none: the summary leaves it out
 
 
 def _config(data: Path, fmt: str = "chat", **training: Any) -> dict[str, Any]:

@@ -101,9 +101,11 @@ def test_a_resumed_run_keeps_the_quarantine_and_ends_on_the_same_weights(run_tra
     assert all(torch.equal(final[k], again[k]) for k in final)
     assert [json.loads(x) for x in (whole.output_dir / "quarantine.jsonl").read_text().splitlines()] == records
 
-    (whole.output_dir / "quarantine.jsonl").unlink()  # control: a resume that forgot the quarantine
+    # control: a resume that forgot the quarantine. The guard meets the row again at step 44 and redoes that
+    # step without it, which ends on the same weights; with the guard off there the row trains, and they differ
+    (whole.output_dir / "quarantine.jsonl").unlink()
     forgot = run_training({**config, "output": str(whole.output_dir)},
-                          overrides={"training.resume_from": str(checkpoint)})
+                          overrides={"training.resume_from": str(checkpoint), "training.spike_guard": "off"})
     assert any(m.row_tokens[m.rows.index(POISONED_ROW)] > 0 for m in forgot.micro if POISONED_ROW in m.rows)
     other = load_file(str(forgot.output_dir / "model.safetensors"))
     assert not all(torch.equal(final[k], other[k]) for k in final)
@@ -111,7 +113,8 @@ def test_a_resumed_run_keeps_the_quarantine_and_ends_on_the_same_weights(run_tra
 
 def test_two_processes_take_the_same_decision_as_one(run_training, tmp_path):
     """DDP (2 ranks x 2 rows = 1 process x 4 rows): the guard gathers both ranks' rows, quarantines the
-    row at the step and share one process does, and neither rank trains on it afterwards."""
+    row at the step and share one process does, both ranks redo that step without it, and neither rank
+    trains on it afterwards."""
     import yaml
 
     from soup_core.default_plugins.commands.quickstart import POISONED_ROW, synthetic_rows
@@ -134,5 +137,6 @@ def test_two_processes_take_the_same_decision_as_one(run_training, tmp_path):
     assert abs(both["share"] - single["share"]) < 1e-5
     log = read_log(tmp_path / "ddp" / "rewind.jsonl")
     assert len(log.files) == 2 and [g["step"] for g in log.guards] == [single["step"]]
+    assert [g["update"] for g in log.guards] == ["redone"]  # both ranks ran the step again, without the row
     later = [r for s in log.steps if s > single["step"] for r in log.step_rows(s) if r.row == POISONED_ROW]
     assert later and all(r.tokens == 0 for r in later)

@@ -3,10 +3,19 @@
 Here the watchdog (:mod:`.watchdog`) and the controllers' ``before_update`` decide whether the update is
 applied (a vetoed update's gradients are dropped, so the optimizer changes no weight and no state), and
 rows a controller excluded are masked out of every later micro-batch before it is counted or trained.
+
+A ``SkipUpdate(redo_without=rows)`` (the spike guard's quarantine) is a redo where it can be: the step's
+micro-batches (kept for the step anyway) are masked, their supervised tokens recounted, the gradients
+zeroed and every micro-batch's forward and backward run again from the random state the step started
+with (the same dropout), so the update applied is the one a run without those rows from the start takes,
+bit for bit. The watchdog then judges the redone step. Not under DeepSpeed or a gradient scaler (their own
+accumulation and unscaling state), nor for batches without rows and labels to mask: there, and when no
+row is left, the step is skipped as the action's plain meaning says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -67,6 +76,11 @@ class UpdateGate:
         self.applied = False
         self.empty = False  # every row of the step's micro-batches excluded: no supervised token, no loss
         self.items: Any = None  # the step's supervised tokens, as the trainer counted them (None: not counted)
+        self.batches: list[Any] = []  # the step's micro-batches, and the random state before their forward
+        self.rng: Any = None
+        self.redoing = False  # the step's micro-batches run again: counted and reported once already
+        self.redone = False  # ... and the step's update is that of the redo
+        self.redo_reasons: list[Any] = []
         self.overflow = False  # the gradient scaler found this step's scaled gradient not finite
         self.skipped_steps: list[int] = []
         self.said_off = False
@@ -100,9 +114,9 @@ class UpdateGate:
         if self.wants_rows:
             self.rows.append((rows, losses, tokens))
 
-    def mask(self, batches: list[dict[str, Any]]) -> bool:
-        """Mask the excluded rows' labels in these micro-batches; True when rows are excluded at all (the
-        same answer on every rank, so every rank recounts the step's tokens: the count is a collective)."""
+    def mask(self, batches: list[dict[str, Any]], also: tuple[int, ...] = ()) -> bool:
+        """Mask the excluded rows' (and ``also``'s) labels in these micro-batches; True when rows are excluded
+        at all (the same answer on every rank, so every rank recounts the step's tokens: a collective)."""
         restored = getattr(self.events, "start_exclusions", None)
         if restored:
             self.excluded.update(restored)
@@ -111,14 +125,15 @@ class UpdateGate:
             self.started = True
             self._same_on_every_rank()
         self.empty = False
-        if not self.excluded:
+        out = self.excluded | set(also)
+        if not out:
             return False
         for batch in batches:
             rows, labels = batch.get("row_index"), batch.get("labels")
             if rows is None or labels is None:
                 continue
             for slot, row in enumerate(rows.tolist()):
-                if row not in self.excluded:
+                if row not in out:
                     continue
                 if "token_slot" in batch:
                     labels[batch["token_slot"] == slot] = IGNORE
@@ -171,32 +186,44 @@ class UpdateGate:
             loss = trainer.accelerator.reduce(loss.to(trainer.args.device), reduction="mean")
         return float(loss)
 
-    def before_update(self, model: Any, grad_norm: Any) -> None:
-        """Decide on the pending update; drop its gradients when it is vetoed."""
+    def keep_rng(self) -> None:
+        """The random state before the step's first forward (its dropout): where a redo starts from."""
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.rng = (torch.get_rng_state(), cuda)
+
+    def before_update(self, model: Any, grad_norm: Any) -> Any:
+        """Decide on the pending update; drop its gradients when it is vetoed. Returns the gradient norm of
+        a redone step (None: the step was not redone)."""
         trainer = self.trainer
         self.step = step = trainer.state.global_step + 1
+        self.redone = False
         self.loss = loss = self._step_loss()
         if self.empty or (self.items is not None and not int(self.items)):  # (the loss synced already)
             self.loss = loss = None
         norm = None if grad_norm is None else float(grad_norm)
+        rows: tuple[Any, ...] = ((), (), ())
+        if self.wants_rows:
+            rows = self._gather_rows()
+        actions: list[Any] = list(self.events.pending_update(
+            PendingUpdate(step, loss, norm, rows[0], rows[1], rows[2], rank=self.ctx.rank)
+        ))
+        redo = self._redo_asked(actions)
+        redone = self.redone = redo is not None and self._redo(model, redo)
+        if redone:  # the step's loss stays the one its rows met (rewind's); the watchdog judges the redo's
+            actions = [a for a in actions if not (isinstance(a, SkipUpdate) and a.redo_without)]
+            grad_norm, loss = self._redone_norm(model), self._step_loss()
+            norm = None if grad_norm is None else float(grad_norm)
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
         # fp16: the scaler skips an update whose scaled gradient overflowed and lowers its scale itself
         self.overflow = bool(scaler is not None and scaler.is_enabled() and norm is not None
                              and not math.isfinite(norm))
-        actions: list[Any] = []
-        if self.watchdog is not None:
+        if self.watchdog is not None:  # it judges the update to be applied: a redone step's
             objective = "loss" if self.signal == "loss" else trainer.soup_last_metrics.get(self.signal)
             verdict = self.watchdog.before_update(step, loss, norm, objective, overflow=self.overflow)
             if verdict == "skip":
-                actions.append(SkipUpdate("watchdog: the loss or gradient is not finite"))
+                actions.insert(0, SkipUpdate("watchdog: the loss or gradient is not finite"))
             elif verdict == "stop":
-                actions.append(Stop(self.watchdog.stop_reason or "watchdog", failed=True))
-        rows: tuple[Any, ...] = ((), (), ())
-        if self.wants_rows:
-            rows = self._gather_rows()
-        actions += self.events.pending_update(
-            PendingUpdate(step, loss, norm, rows[0], rows[1], rows[2], rank=self.ctx.rank)
-        )
+                actions.insert(0, Stop(self.watchdog.stop_reason or "watchdog", failed=True))
         veto = False
         for action in actions:
             if isinstance(action, SkipUpdate):
@@ -222,12 +249,80 @@ class UpdateGate:
             veto = bool(trainer.accelerator.reduce(flag, reduction="sum").item())
         self.applied = not veto
         if veto:
+            self.redone = False  # the redone step's update is not applied either
             model.zero_grad(set_to_none=True)  # no gradient: the optimizer touches neither weight nor state
             self.skipped_steps.append(step)
             if trainer.soup_stop_reason is None:
-                trainer._soup_say(f"step {step}: update skipped ({'; '.join(_reasons(actions))})")
-        elif self.watchdog is not None:
-            self._snapshot(model, step, norm)
+                said = actions + (self.redo_reasons if redone else [])
+                trainer._soup_say(f"step {step}: update skipped ({'; '.join(_reasons(said))})")
+        else:
+            if redone and trainer.soup_stop_reason is None:
+                out = ", ".join(str(r) for r in redo or ())
+                trainer._soup_say(f"step {step}: computed again without row{'s' * (len(redo or ()) > 1)} {out}, "
+                                  f"its update applied ({'; '.join(_reasons(self.redo_reasons))})")
+            if self.watchdog is not None:
+                self._snapshot(model, step, norm)
+        return grad_norm if redone else None
+
+    # ------------------------------------------------------------------ a redone step
+
+    def _redo_asked(self, actions: list[Any]) -> tuple[int, ...] | None:
+        """The rows to redo the step without: when every veto is a ``SkipUpdate`` asking a redo, this
+        backend can redo this step, and every rank says so (else None: the step is skipped)."""
+        skips = [a for a in actions if isinstance(a, (SkipUpdate, Stop))]
+        self.redo_reasons = skips
+        asked = bool(skips) and all(isinstance(a, SkipUpdate) and a.redo_without for a in skips)
+        trainer = self.trainer
+        accelerator = trainer.accelerator
+        scaler = getattr(accelerator, "scaler", None)
+        able = (asked and bool(self.batches) and self.rng is not None
+                and all(isinstance(b, dict) and "labels" in b and "row_index" in b for b in self.batches)
+                and not (scaler is not None and scaler.is_enabled())
+                and not getattr(trainer, "is_deepspeed_enabled", False))
+        if accelerator.num_processes > 1:
+            flag = torch.tensor([0.0 if able else 1.0], device=trainer.args.device)
+            able = not bool(accelerator.reduce(flag, reduction="sum").item())  # every rank, or none
+        if not able:
+            return None
+        return tuple(sorted({int(r) for a in skips for r in a.redo_without}))
+
+    def _redo(self, model: Any, rows: tuple[int, ...]) -> bool:
+        """Run the step's micro-batches again without ``rows`` (and the excluded ones), from the random state
+        they started with; False (nothing run) when no supervised token is left on any rank."""
+        trainer, batches = self.trainer, self.batches
+        self.mask(batches, also=rows)
+        left = torch.stack([(b["labels"] != IGNORE).sum() for b in batches]).sum().reshape(1)
+        if trainer.accelerator.num_processes > 1:
+            left = trainer.accelerator.reduce(left.to(trainer.args.device), reduction="sum")
+        if not int(left.item()):
+            return False
+        self.items = items = trainer._get_num_items_in_batch(batches, trainer.args.device)  # as get_batch_samples
+        cpu, cuda = self.rng
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        model.zero_grad(set_to_none=True)
+        trainer._soup_step_loss = None
+        accelerator = trainer.accelerator
+        self.redoing = True
+        try:
+            for i, inputs in enumerate(batches):
+                last = i == len(batches) - 1
+                accelerator.gradient_state._set_sync_gradients(last)
+                with _sync_context(trainer, model, last):
+                    trainer.training_step(model, inputs, items)
+        finally:
+            self.redoing = False
+            accelerator.gradient_state._set_sync_gradients(True)
+        return True
+
+    def _redone_norm(self, model: Any) -> Any:
+        """The redone step's gradient norm, clipped as the training loop clips the first's."""
+        from soup_core.default_plugins.transformers.trainer import SoupTrainerMixin
+
+        trainer = self.trainer
+        norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
+        return super(SoupTrainerMixin, trainer)._get_grad_norm(model, grad_norm=norm)
 
     def not_consulted(self) -> None:
         """A step ended without passing the gate (a trainer with a training loop of its own): say once that
@@ -348,6 +443,8 @@ class UpdateGate:
             metrics["grad_scaler_overflow"] = 1.0
         if not self.applied:
             return {**metrics, "update_skipped": 1.0}
+        if self.redone:  # the update applied is the step's, computed again without rows a controller named
+            metrics["update_redone"] = 1.0
         ratio = None
         if self.before is not None and self.params:
             with torch.no_grad():
@@ -376,6 +473,21 @@ def _norms(delta: list[Any], before: list[Any], *, sharded: bool) -> tuple[float
         dist.all_reduce(squares)
     change, size = squares.sqrt().tolist()
     return change, size
+
+
+def _sync_context(trainer: Any, model: Any, last: bool) -> Any:
+    """The gradient synchronisation the training loop runs a micro-batch under (transformers'
+    ``Trainer._run_epoch``): reduced over ranks at the step's last micro-batch only."""
+    accelerator = trainer.accelerator
+    if (last or accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+            or getattr(trainer, "is_deepspeed_enabled", False)):
+        return contextlib.nullcontext()
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        from transformers.trainer import is_fsdp_managed_module
+
+        if is_fsdp_managed_module(trainer.model):
+            return trainer._defer_fsdp_gradient_reduction()
+    return accelerator.no_sync(model=model)
 
 
 def _reasons(actions: list[Any]) -> list[str]:

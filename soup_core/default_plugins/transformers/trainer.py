@@ -370,8 +370,11 @@ class SoupTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs.pop("row_index", None)
         slots = inputs.pop("token_slot", None)
-        training = self.model.training
-        want_rows = training and rows is not None and (self._soup.ctx.events.has_recorders or self.soup_gate.wants_rows)
+        training, gate = self.model.training, self.soup_gate
+        if training and not gate.redoing and self.state.global_step + 1 != self._soup_micro_step:
+            gate.keep_rng()  # the step's first forward: a redo of the step starts from this random state
+        want_rows = (training and rows is not None and not gate.redoing
+                     and (self._soup.ctx.events.has_recorders or gate.wants_rows))
         self._soup_capture, self._soup_output = want_rows, None
         try:
             if self._soup_own_loss:
@@ -384,7 +387,9 @@ class SoupTrainerMixin:
             self._soup_capture = False
         if training:
             step = self.state.global_step + 1
-            result = self.soup_gate.poison(step, result)
+            result = gate.poison(step, result)
+            if gate.redoing:  # the step run again: its micro-batches were counted and reported the first time
+                return result
             if step != self._soup_micro_step:
                 self._soup_micro_step, self._soup_micro = step, 0
             else:
@@ -538,13 +543,14 @@ class SoupTrainerMixin:
         if self.soup_gate.mask(batches):  # rows a controller excluded add no loss and no token count
             items = self._get_num_items_in_batch(batches, device)
         self.soup_gate.items = items  # the step's supervised tokens: none, and its 0.0 is no loss
+        self.soup_gate.batches = batches  # kept for the step anyway; a redo runs them again
         return batches, items
 
     def _get_grad_norm(self, model, grad_norm=None):
         # called once per optimizer step, gradients ready, before optimizer.step(): the update gate
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        self.soup_gate.before_update(model, grad_norm)
-        return grad_norm
+        redone = self.soup_gate.before_update(model, grad_norm)  # a redone step's own norm
+        return grad_norm if redone is None else redone
 
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None

@@ -207,7 +207,9 @@ def run_report(
         out.print("No loss spikes recorded.")
     for g in log.guards:  # what training.spike_guard did while the run trained
         rows = ", ".join(f"row {r['row']} ({r['share']:.0%})" for r in g.get("rows") or [])
-        out.print(f"spike guard, step {g['step']}: update skipped" + (f"; quarantined {rows}" if rows else ""))
+        done = ("computed again without them, its update applied" if g.get("update") == "redone"
+                else "update skipped")
+        out.print(f"spike guard, step {g['step']}: " + (f"quarantined {rows}; {done}" if rows else done))
 
     # ---- recurring rows across spikes
     examined = spikes[: analysis.RECURRING_MAX_SPIKES]

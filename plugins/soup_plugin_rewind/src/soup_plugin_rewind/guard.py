@@ -3,11 +3,15 @@ update, on the steps its own rule (:class:`~soup_plugin_rewind.analysis.GuardRul
 
 Each step's loss is the token-weighted mean of its rows (every micro-batch, every rank), as rewind computes
 it from the log. The guard acts on a subset of the spikes ``soup rewind`` lists: a spike that also stands
-out in absolute terms (a floor in nats and a robust spread over the window), or a non-finite step. The update
-is skipped; ``quarantine`` also excludes the rows the rule names (a non-finite row, or one carrying at least
+out in absolute terms (a floor in nats and a robust spread over the window), or a non-finite step. ``skip``
+skips the update. ``quarantine`` excludes the rows the rule names (a non-finite row, or one carrying at least
 ``ADVICE_SHARE`` of the step's loss that is itself an outlier among the window's rows) for the rest of the
-run. Each action is printed with the row, its file and line; it is a ``guard`` line in the rewind log (the
-recorder writes it after the step's micro-batches) and each quarantined row a line of ``quarantine.jsonl``.
+run, and asks for the step again without them (``SkipUpdate(redo_without=...)``): the transformers backend
+runs the step's micro-batches again with those rows masked and applies that update, so the step's clean
+rows train as in a run without the rows; where the step cannot be redone, or no row is left, it is skipped.
+Each action is printed with the row, its file and line; it is a ``guard`` line in the rewind log (the
+recorder writes it after the step's micro-batches, with ``update``: ``redone`` or ``skipped``) and each
+quarantined row a line of ``quarantine.jsonl``.
 """
 
 from __future__ import annotations
@@ -51,10 +55,12 @@ def step_loss(rows: Sequence[Any]) -> float | None:
 
 
 class SpikeGuard(Controller):
-    """Skips the update of a spiking step and, with ``quarantine``, excludes the rows behind it."""
+    """Skips the update of a spiking step or, with ``quarantine``, excludes the rows behind it and has the
+    step redone without them."""
 
     name: ClassVar[str] = "spike_guard"
-    description: ClassVar[str] = "skip a spiking step's update; quarantine the rows behind it (spike_guard)"
+    description: ClassVar[str] = ("skip a spiking step's update, or quarantine the rows behind it and redo the "
+                                  "step without them (spike_guard)")
 
     def __init__(self) -> None:
         self.mode = "off"
@@ -123,9 +129,10 @@ class SpikeGuard(Controller):
         if quarantine:
             self._quarantine(event.step, named)
         what = f"spike guard: {spike.describe()}; " + self._rows_said(spike, named, quarantine)
-        actions: list[ControllerAction] = [SkipUpdate(what)]
+        out = tuple(r.row for r in named) if quarantine else ()
+        actions: list[ControllerAction] = [SkipUpdate(what, redo_without=out)]  # redone without them, else skipped
         if quarantine:
-            actions.append(ExcludeRows(tuple(r.row for r in named), f"spike guard: rows behind step {event.step}",
+            actions.append(ExcludeRows(out, f"spike guard: rows behind step {event.step}",
                                        tuple(r.share for r in named)))
         if self.rank == 0 and self.out is not None:
             NOTES.setdefault((str(self.out), self.rank), []).append({

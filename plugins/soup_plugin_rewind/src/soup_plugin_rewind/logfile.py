@@ -131,7 +131,7 @@ class LogFile:
     run_ids: list[str] = field(default_factory=list)
     #: per-step (loss sum, tokens, non-finite flag) until :func:`read_log` has merged them
     totals: tuple[array, array, bytearray] | None = field(default=None, repr=False)
-    #: the spike guard's actions (``{"kind": "guard", "step", "action", "rows"}``), in step order
+    #: the spike guard's actions (``{"kind": "guard", "step", "action", "update", "rows"}``), in step order
     guards: list[dict[str, Any]] = field(default_factory=list)
     #: every measured row sighting, when the scan was asked for them (``rows=True``)
     sightings: Sightings | None = field(default=None, repr=False)

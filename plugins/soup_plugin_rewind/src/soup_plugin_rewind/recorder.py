@@ -202,8 +202,9 @@ class RewindRecorder(Recorder):
             return
         from soup_plugin_rewind.guard import take_notes
 
+        redone = bool(event.metrics.get("update_redone"))  # the backend ran the step again without the rows
         for note in take_notes(self._key):  # what the spike guard did at this step, after its batches
-            self._buf.append(_dumps(note))
+            self._buf.append(_dumps({**note, "update": "redone" if redone else "skipped"}))
         self._guard(self._flush)
 
     def on_run_end(self, event: RunEnd) -> None:

@@ -132,8 +132,9 @@ def build_report(
             {"row": row, "spikes": n, "of": n_spikes_examined} for row, n in recurring
         ],
         "preview": preview_note,
-        # each spike the spike guard acted on: its action (skip, quarantine) and the rows it quarantined
-        "guard": [{"step": g["step"], "action": g.get("action"),
+        # each spike the spike guard acted on: its action (skip, quarantine), whether the step's update was
+        # skipped or redone without the rows (a log from before redoing: skipped), the rows it quarantined
+        "guard": [{"step": g["step"], "action": g.get("action"), "update": g.get("update", "skipped"),
                    "rows": [{"row": r["row"], "share": r["share"]} for r in g.get("rows") or []]} for g in guards],
     }
     acted = {g["step"]: g.get("action") for g in guards}
