@@ -318,11 +318,9 @@ class UpdateGate:
 
     def _redone_norm(self, model: Any) -> Any:
         """The redone step's gradient norm, clipped as the training loop clips the first's."""
-        from soup_core.default_plugins.transformers.trainer import SoupTrainerMixin
-
         trainer = self.trainer
         norm = trainer._clip_grad_norm(model) if trainer.args.max_grad_norm > 0 else None
-        return super(SoupTrainerMixin, trainer)._get_grad_norm(model, grad_norm=norm)
+        return trainer._soup_plain_grad_norm(model, grad_norm=norm)
 
     def not_consulted(self) -> None:
         """A step ended without passing the gate (a trainer with a training loop of its own): say once that

@@ -552,6 +552,10 @@ class SoupTrainerMixin:
         redone = self.soup_gate.before_update(model, grad_norm)  # a redone step's own norm
         return grad_norm if redone is None else redone
 
+    def _soup_plain_grad_norm(self, model, grad_norm=None):
+        """Transformers' own ``_get_grad_norm``, without the gate: the norm of a step the gate redid."""
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
     ):
