@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from soup_core.default_plugins.transformers.dropout_draw import drop, drop_positions
 
+
 class _DropDown(torch.autograd.Function):
     """``linear(dropout(x, p), weight)`` keeping ``x``, ``weight`` and the dropped positions for the backward pass."""
 
