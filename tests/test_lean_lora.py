@@ -216,3 +216,28 @@ def test_soups_lora_gets_it_with_dropout_and_without_checkpointing(tiny_model, d
     model = apply_lora(AutoModelForCausalLM.from_pretrained(str(tiny_model)), config, report=lambda *_: None)
     patched = sum("forward" in vars(m) for m in model.modules() if hasattr(m, "lora_A"))
     assert patched == (7 * model.config.num_hidden_layers if lean else 0)
+
+
+def test_power_of_two_scaling_goes_on_the_narrow_side_bit_for_bit():
+    """``lora_B(down) * s`` and its gradients, with ``s`` moved onto ``down`` when it is a power of two."""
+    gen = torch.Generator().manual_seed(0)
+    lora_b = torch.nn.Linear(8, 64, bias=False)
+    with torch.no_grad():
+        lora_b.weight.copy_(torch.randn(64, 8, generator=gen))
+    down = torch.randn(3, 40, 8, generator=gen)
+    grad = torch.randn(3, 40, 64, generator=gen)
+
+    def run(f, scaling):
+        d = down.clone().requires_grad_()
+        lora_b.zero_grad(set_to_none=True)
+        out = f(d, scaling)
+        out.backward(grad)
+        return out.detach(), d.grad, lora_b.weight.grad
+
+    for scaling in (2.0, 0.5, 1.0, 4.0, 1.5):
+        ours = run(lambda d, s: lean_lora._up(lora_b, d, s), scaling)
+        peft = run(lambda d, s: lora_b(d) * s, scaling)
+        assert all(torch.equal(a, b) for a, b in zip(ours, peft, strict=True)), scaling
+    # control: the same move with a scaling that is not a power of two changes the bits
+    moved = run(lambda d, s: lora_b(d * s), 1.5)
+    assert not all(torch.equal(a, b) for a, b in zip(moved, run(lambda d, s: lora_b(d) * s, 1.5), strict=True))

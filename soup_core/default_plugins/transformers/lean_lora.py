@@ -29,6 +29,7 @@ nested ``autograd.grad``: that one cost about 0.6 s a step in per-call overhead 
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -95,8 +96,22 @@ def _lean_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
         if adapter not in self.lora_A:
             continue
         down = _DropDown.apply(x, self.lora_A[adapter].weight, float(self.lora_dropout[adapter].p))
-        result = result + self.lora_B[adapter](down) * self.scaling[adapter]
+        result = result + _up(self.lora_B[adapter], down, self.scaling[adapter])
     return result.to(dtype)
+
+
+def _up(lora_b: Any, down: torch.Tensor, scaling: Any) -> torch.Tensor:
+    """``lora_B(down) * scaling``. Where ``scaling`` is a power of two (``alpha / r`` is, for alpha = r or 2r) and
+    ``lora_B`` a plain bias-free ``Linear``, the scaling goes on ``down`` (``r`` wide) instead of the output
+    (``out_features`` wide), in the forward pass and so in the backward one: multiplying by a power of two only
+    moves the exponent, so every product and partial sum of ``lora_B``'s matrix product is scaled exactly and
+    the result is the same bits (barring overflow or subnormal values), for two multiplications of ``[tokens, r]``
+    instead of two of ``[tokens, out_features]``."""
+    if isinstance(scaling, float) and scaling > 0 and math.frexp(scaling)[0] == 0.5 \
+            and type(lora_b) is torch.nn.Linear and lora_b.bias is None and not lora_b._forward_hooks \
+            and not lora_b._forward_pre_hooks:
+        return lora_b(down * scaling)
+    return lora_b(down) * scaling
 
 
 def install(model: Any) -> int:
