@@ -241,3 +241,4 @@ def test_power_of_two_scaling_goes_on_the_narrow_side_bit_for_bit():
     # control: the same move with a scaling that is not a power of two changes the bits
     moved = run(lambda d, s: lora_b(d * s), 1.5)
     assert not all(torch.equal(a, b) for a, b in zip(moved, run(lambda d, s: lora_b(d) * s, 1.5), strict=True))
+
