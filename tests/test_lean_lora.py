@@ -201,10 +201,11 @@ def test_no_dropout_and_eval_keep_peft_forward(tiny_model):
     assert torch.equal(layer(x), type(layer).forward(layer, x))
 
 
-@pytest.mark.parametrize(("dropout", "checkpointing", "lean"), [(0.05, False, True), (0.05, True, False),
+@pytest.mark.parametrize(("dropout", "checkpointing", "lean"), [(0.05, False, True), (0.05, True, True),
                                                                  (0.0, False, False)])
-def test_soups_lora_gets_it_with_dropout_and_without_checkpointing(tiny_model, dropout, checkpointing, lean):
-    """Wiring: ``apply_lora`` (what ``soup train`` calls) installs it only where it saves memory."""
+def test_soups_lora_gets_it_with_dropout_checkpointing_or_not(tiny_model, dropout, checkpointing, lean):
+    """Wiring: ``apply_lora`` (what ``soup train`` calls) installs it whenever dropout is on, so that a run draws
+    its masks the same way with gradient checkpointing on or off."""
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -216,6 +217,34 @@ def test_soups_lora_gets_it_with_dropout_and_without_checkpointing(tiny_model, d
     model = apply_lora(AutoModelForCausalLM.from_pretrained(str(tiny_model)), config, report=lambda *_: None)
     patched = sum("forward" in vars(m) for m in model.modules() if hasattr(m, "lora_A"))
     assert patched == (7 * model.config.num_hidden_layers if lean else 0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_on_or_off_gives_the_same_loss_and_gradients(tiny_model, reentrant):
+    """With the lean forward installed, gradient checkpointing recomputes each layer with the random state
+    restored and redraws the same masks (a reentrant checkpoint's first pass runs under ``no_grad``, its recompute
+    with grad: both take the lean path), so loss and gradients equal those of the run without it, bit for bit.
+    The control: peft's own forward under checkpointing draws its masks with ``bernoulli_`` and differs."""
+
+    def run(install: bool, checkpointing: bool):
+        model = _model(tiny_model, 0.1)
+        if install:
+            lean_lora.install(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.enable_input_require_grads()
+        ids = torch.randint(3, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain_loss, plain_grads = run(install=True, checkpointing=False)
+    loss, grads = run(install=True, checkpointing=True)
+    assert torch.equal(loss, plain_loss)
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    control_loss, _ = run(install=False, checkpointing=True)
+    assert not torch.equal(control_loss, plain_loss)
 
 
 def test_power_of_two_scaling_goes_on_the_narrow_side_bit_for_bit():

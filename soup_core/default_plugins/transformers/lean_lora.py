@@ -19,11 +19,13 @@ the backward pass costs rebuilding the noise and the dropped input, no new rando
 
 Only the plain case is touched: a peft ``lora.Linear`` (not a quantised or DoRA/variant layer) on a CPU tensor,
 adapters on and not merged, no per-row ``adapter_names``, dropout an ``nn.Dropout`` with ``0 < p < 1``, a
-``lora_A`` without bias or hooks, training, grad enabled. Everything else (a GPU, whose dropout already keeps a
+``lora_A`` without bias or hooks, training (with or without grad: a reentrant checkpoint's first pass runs
+under ``no_grad`` and its recompute with grad, and both must draw the mask the same way). Everything else (a GPU, whose dropout already keeps a
 bool mask, included) is peft's own forward, called as is.
 
-``apply_lora`` installs it when ``lora.dropout > 0`` and gradient checkpointing is off (with checkpointing the
-layers' activations are not kept anyway). The backward pass is linear's own two ``mm`` calls written out, not a
+``apply_lora`` (and soup-plugin-streaming's loader) installs it whenever ``lora.dropout > 0``: with gradient
+checkpointing the layers' activations are not kept anyway, but the masks must be drawn the same way with
+checkpointing on or off, streamed or resident (the recompute restores the random state and redraws them). The backward pass is linear's own two ``mm`` calls written out, not a
 nested ``autograd.grad``: that one cost about 0.6 s a step in per-call overhead on SmolLM2-135M.
 """
 
@@ -69,7 +71,7 @@ class _DropDown(torch.autograd.Function):
 
 
 def _plain(self: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    if args or kwargs or self.disable_adapters or self.merged or not self.training or not torch.is_grad_enabled():
+    if args or kwargs or self.disable_adapters or self.merged or not self.training:
         return False
     if x.device.type != "cpu":
         return False
