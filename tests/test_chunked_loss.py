@@ -159,3 +159,31 @@ def test_a_frozen_head_keeps_derivatives_instead_of_recomputing(tiny_model, monk
     model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs.sum().backward()
     unweighted = _grads(model)
     assert not all(torch.allclose(unweighted[n], g, atol=1e-6, rtol=1e-4) for n, g in own_grads.items())
+
+
+def test_is_top1_is_argmax_with_ties_and_nans():
+    is_top1 = chunked_loss.is_top1
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 300, generator=gen)
+    targets = torch.randint(0, 300, (12,), generator=gen)
+    targets[:8] = logits[:8].argmax(dim=-1)  # rows 0-7 hit; then ties and specials:
+    logits[1, 0] = logits[1, targets[1]]  # a tie before the target: argmax names the earlier one
+    targets[1] = max(int(targets[1]), 1)
+    logits[1, 0] = logits[1].amax() + 1
+    logits[1, targets[1]] = logits[1, 0]
+    logits[2, -1] = logits[2, targets[2]]  # a tie after the target: still the target
+    targets[2] = min(int(targets[2]), 298)
+    logits[2, -1] = logits[2].amax() + 1
+    logits[2, targets[2]] = logits[2, -1]
+    logits[3, 5] = float("nan")  # NaN before the target: argmax names the NaN
+    logits[4, targets[4]] = float("nan")  # the target is the row's first NaN
+    logits[5, targets[5]] = float("inf")
+    logits[6] = -float("inf")  # every entry -inf: argmax names entry 0
+    targets[6] = 0
+    expected = logits.argmax(dim=-1) == targets
+    assert torch.equal(is_top1(logits, targets), expected)
+    assert expected[:8].tolist() == [True, False, True, False, True, True, True, True]
+    # control: comparing with the maximum alone misses the tie before the target and the NaN at it
+    naive = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(dim=-1)
+    assert not torch.equal(naive, expected)

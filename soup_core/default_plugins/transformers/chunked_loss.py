@@ -82,7 +82,7 @@ def token_log_probs(
                 with torch.no_grad():
                     probs = torch.exp(logits - log_z[:, None])
                     entropy.append(log_z - (probs * logits).sum(dim=-1))
-                    top1.append(logits.argmax(dim=-1) == t)
+                    top1.append(is_top1(logits, t))
             return logits.gather(1, t[:, None]).squeeze(1) - log_z
 
         parts.append(checkpoint(score, h, t, use_reentrant=False) if grad else score(h, t))
@@ -94,6 +94,25 @@ def token_log_probs(
     if not extras:
         return log_probs, None, None
     return log_probs, torch.cat(entropy), torch.cat(top1)
+
+
+def is_top1(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1) == targets`` for ``[N, V]`` logits, without argmax: on a CPU its index-keeping
+    reduction took 11-27 ms for 85 x 49,152 logits, ``amax`` under 1 ms. A row's target is argmax's pick when its
+    logit is the row's maximum and no earlier entry ties with it (argmax names the first maximum; duplicate rows
+    in an output embedding give exact ties); rows whose maximum is NaN (argmax names their first NaN) go
+    through argmax itself."""
+    top = logits.amax(dim=-1)
+    hit = logits.gather(1, targets[:, None]).squeeze(1) == top
+    wanted = targets.tolist()
+    for row in hit.nonzero().view(-1).tolist():
+        if bool((logits[row, :wanted[row]] == top[row]).any()):
+            hit[row] = False
+    nan = top.isnan()
+    if bool(nan.any()):
+        rows = nan.nonzero().view(-1)
+        hit[rows] = logits[rows].argmax(dim=-1) == targets[rows]
+    return hit
 
 
 class _FrozenHead(torch.autograd.Function):
@@ -112,7 +131,7 @@ class _FrozenHead(torch.autograd.Function):
             log_probs = logits.gather(1, targets[:, None]).squeeze(1) - log_z
             probs = (logits - log_z[:, None]).exp_()
             entropy = log_z - (probs * logits).sum(dim=-1) if extras else None
-            top1 = logits.argmax(dim=-1) == targets if extras else None
+            top1 = is_top1(logits, targets) if extras else None
             del logits
             # d lp / d logits = onehot(target) - softmax; rows are independent, so row i of the result is d lp_i / d h_i
             ones = torch.ones_like(log_probs)[:, None]

@@ -1,4 +1,5 @@
-"""A LoRA forward that keeps a bit mask, not dropout's noise and dropped input, for the backward pass.
+"""A LoRA forward that keeps the dropped positions, not dropout's noise and dropped input, for the backward pass,
+and draws the mask gap by gap.
 
 peft's LoRA ``Linear`` computes ``lora_B(lora_A(dropout(x))) * scaling``. With ``lora_dropout > 0`` on a CPU autograd
 keeps, per adapted layer, dropout's noise (a float tensor the size of ``x``: ``torch.dropout`` there is
@@ -6,90 +7,71 @@ keeps, per adapted layer, dropout's noise (a float tensor the size of ``x``: ``t
 the layer's input in fp32, for each adapter, though q/k/v (and gate/up) share one input. On SmolLM2-135M with
 LoRA on every projection, batch 4 x 256, this cuts the decoder's saved tensors by 29%.
 
-Here dropout + ``lora_A`` is one autograd function that draws the noise exactly as ``torch.dropout`` does on a CPU,
-keeps ``x`` (4 bytes an element, once for the layers sharing it, as peft without dropout does) and the noise as a
-mask of 1 bit an element (a bool mask packed 8 to a byte: 1 byte an element was 47 MB a step on SmolLM2-135M at
-batch 4 x 70 tokens), and in the backward pass rebuilds the dropped input from them and differentiates the
-same ``linear`` through autograd. Each element goes through the same float operations as in peft's forward and
-backward, so the loss and every gradient are bit-identical (tested with ``torch.equal``); the backward pass costs
-rebuilding the dropped input, no new random draw.
+Here dropout + ``lora_A`` is one autograd function. It draws the mask as the positions of its dropped elements
+(``dropout_draw.py``: the same i.i.d. Bernoulli law as ``torch.dropout``'s ``bernoulli_``, which draws one 53-bit
+uniform per element, one element at a time, and was about 17% of a step's CPU on SmolLM2-135M with 7 adapters a
+layer; the gaps take about ``n p`` draws), keeps ``x`` (4 bytes an element, once for the layers sharing it, as
+peft without dropout does) and those positions (int32: ``4 p`` bytes an element, 0.2 at ``p = 0.05``), and in
+the backward pass rebuilds ``torch.dropout``'s noise for that mask and from it the dropped input. Given the mask,
+each element goes through the same float operations as in peft's forward and backward, so the loss and every
+gradient are bit-identical to peft's with ``torch.dropout`` drawing the same mask (tested with ``torch.equal``);
+the backward pass costs rebuilding the noise and the dropped input, no new random draw.
 
 Only the plain case is touched: a peft ``lora.Linear`` (not a quantised or DoRA/variant layer) on a CPU tensor,
 adapters on and not merged, no per-row ``adapter_names``, dropout an ``nn.Dropout`` with ``0 < p < 1``, a
-``lora_A`` without bias or hooks, training, grad enabled. Everything else (a GPU, whose dropout already keeps a
+``lora_A`` without bias or hooks, training (with or without grad: a reentrant checkpoint's first pass runs
+under ``no_grad`` and its recompute with grad, and both must draw the mask the same way). Everything else (a GPU, whose dropout already keeps a
 bool mask, included) is peft's own forward, called as is.
 
-``apply_lora`` installs it when ``lora.dropout > 0`` and gradient checkpointing is off (with checkpointing the
-layers' activations are not kept anyway). The backward pass is linear's own two ``mm`` calls written out, not a
+``apply_lora`` (and soup-plugin-streaming's loader) installs it whenever ``lora.dropout > 0``: with gradient
+checkpointing the layers' activations are not kept anyway, but the masks must be drawn the same way with
+checkpointing on or off, streamed or resident (the recompute restores the random state and redraws them). The backward pass is linear's own two ``mm`` calls written out, not a
 nested ``autograd.grad``: that one cost about 0.6 s a step in per-call overhead on SmolLM2-135M.
 """
 
 from __future__ import annotations
 
-import sys
+import math
 import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-#: multiplying 8 bytes of 0 or 1 (one int64, little-endian) by this moves byte i's bit to bit 56 + i, with no
-#: carries (each pair of byte and factor bit lands on a bit of its own), so the top byte is the 8 flags packed
-_PACK = 0x0102040810204080
-_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _pack(mask: torch.Tensor) -> torch.Tensor:
-    """A bool tensor as 1 bit an element (uint8, element ``8k + i`` in bit ``i`` of byte ``k``); as it is on a
-    big-endian machine, where the int64 view orders the bytes the other way."""
-    if sys.byteorder != "little":
-        return mask
-    flat = mask.reshape(-1)
-    if flat.numel() % 8:
-        flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
-    return (flat.view(torch.uint8).view(torch.int64) * _PACK >> 56).bitwise_and_(0xFF).to(torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The bool tensor of ``shape`` that :func:`_pack` packed."""
-    if packed.dtype == torch.bool:
-        return packed
-    bits = torch.tensor(_BITS, dtype=torch.uint8)
-    return (packed[:, None].bitwise_and(bits) != 0).view(-1)[:shape.numel()].view(shape)
+from soup_core.default_plugins.transformers.dropout_draw import drop, drop_positions
 
 
 class _DropDown(torch.autograd.Function):
-    """``linear(dropout(x, p), weight)`` keeping ``x``, ``weight`` and a bit mask for the backward pass."""
+    """``linear(dropout(x, p), weight)`` keeping ``x``, ``weight`` and the dropped positions for the backward pass."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
-        # torch.dropout's CPU path (ATen's _dropout_impl): bernoulli_(1 - p), div_(1 - p), input * noise
-        noise = torch.empty_like(x).bernoulli_(1 - p)
-        noise.div_(1 - p)
+        # the mask as the positions of its dropped elements, drawn gap by gap (dropout_draw.py): the same law as
+        # torch.dropout's bernoulli_(1 - p), a twentieth of the draws at p = 0.05; drop() is torch.dropout's
+        # input * noise for that mask, element for element
+        positions = drop_positions(x.numel(), p)
         ctx.p = p
-        ctx.save_for_backward(x, weight, _pack(noise != 0))
-        return F.linear(x * noise, weight)
+        ctx.save_for_backward(x, weight, positions)
+        return F.linear(drop(x, positions, p), weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight, packed = ctx.saved_tensors
-        mask = _unpack(packed, x.shape)
-        # the value bernoulli_ + div_ wrote for a kept element; x * mask * scale is x * noise bit for bit (x * 1 is
-        # x, x * 0 the same signed zero), without building the float noise again
-        scale = torch.ones((), dtype=x.dtype).div_(1 - ctx.p)
-        # linear's backward as autograd runs it for a [.., in] input (matmul folded to mm): the same mm calls
+        x, weight, positions = ctx.saved_tensors
+        # linear's backward as autograd runs it for a [.., in] input (matmul folded to mm): the same mm calls;
+        # then mul's backward, grad * noise, and the dropped input x * noise rebuilt as the forward made it
         flat = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = flat.mm(weight).view(x.shape).mul_(mask).mul_(scale)
+            grad_x = flat.mm(weight).view(x.shape)
+            drop(grad_x, positions, ctx.p, out=grad_x)
         if ctx.needs_input_grad[1]:
-            dropped = x.mul(mask).mul_(scale).reshape(-1, x.shape[-1])
+            dropped = drop(x, positions, ctx.p).reshape(-1, x.shape[-1])
             grad_w = dropped.t().mm(flat).t()
         return grad_x, grad_w, None
 
 
 def _plain(self: Any, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    if args or kwargs or self.disable_adapters or self.merged or not self.training or not torch.is_grad_enabled():
+    if args or kwargs or self.disable_adapters or self.merged or not self.training:
         return False
     if x.device.type != "cpu":
         return False
@@ -116,8 +98,22 @@ def _lean_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
         if adapter not in self.lora_A:
             continue
         down = _DropDown.apply(x, self.lora_A[adapter].weight, float(self.lora_dropout[adapter].p))
-        result = result + self.lora_B[adapter](down) * self.scaling[adapter]
+        result = result + _up(self.lora_B[adapter], down, self.scaling[adapter])
     return result.to(dtype)
+
+
+def _up(lora_b: Any, down: torch.Tensor, scaling: Any) -> torch.Tensor:
+    """``lora_B(down) * scaling``. Where ``scaling`` is a power of two (``alpha / r`` is, for alpha = r or 2r) and
+    ``lora_B`` a plain bias-free ``Linear``, the scaling goes on ``down`` (``r`` wide) instead of the output
+    (``out_features`` wide), in the forward pass and so in the backward one: multiplying by a power of two only
+    moves the exponent, so every product and partial sum of ``lora_B``'s matrix product is scaled exactly and
+    the result is the same bits (barring overflow or subnormal values), for two multiplications of ``[tokens, r]``
+    instead of two of ``[tokens, out_features]``."""
+    if isinstance(scaling, float) and scaling > 0 and math.frexp(scaling)[0] == 0.5 \
+            and type(lora_b) is torch.nn.Linear and lora_b.bias is None and not lora_b._forward_hooks \
+            and not lora_b._forward_pre_hooks:
+        return lora_b(down * scaling)
+    return lora_b(down) * scaling
 
 
 def install(model: Any) -> int:

@@ -205,9 +205,10 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, peft_config)
-    if float(lora.dropout) > 0 and not config.training.gradient_checkpointing:
-        # dropout keeps a bool mask for backward, not its float noise and a dropped copy of the input (exact;
-        # lean_lora.py)
+    if float(lora.dropout) > 0:
+        # dropout keeps its dropped positions for backward, not its float noise and a dropped copy of the input,
+        # and draws them gap by gap (lean_lora.py); with gradient checkpointing too, so that a run draws the same
+        # masks with checkpointing on or off (the recompute restores the random state)
         from soup_core.default_plugins.transformers.lean_lora import install
 
         install(model)

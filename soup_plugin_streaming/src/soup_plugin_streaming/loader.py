@@ -212,6 +212,11 @@ def load_streamed(config: Any, *, report: Report = print, store_root: Path | Non
         transfer_factory=factory,
         name_or_path=str(source),
     )
+    if lora["lora_dropout"] > 0:
+        # the resident run's dropout (the core's lean LoRA forward) draws its masks its own way: the same here
+        from soup_core.default_plugins.transformers.lean_lora import install
+
+        install(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     kind = "nf4" if settings.quant == "nf4" else str(dtype).removeprefix("torch.")
