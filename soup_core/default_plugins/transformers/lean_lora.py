@@ -19,14 +19,15 @@ the backward pass costs rebuilding the noise and the dropped input, no new rando
 
 Only the plain case is touched: a peft ``lora.Linear`` (not a quantised or DoRA/variant layer) on a CPU tensor,
 adapters on and not merged, no per-row ``adapter_names``, dropout an ``nn.Dropout`` with ``0 < p < 1``, a
-``lora_A`` without bias or hooks, training (with or without grad: a reentrant checkpoint's first pass runs
-under ``no_grad`` and its recompute with grad, and both must draw the mask the same way). Everything else (a GPU, whose dropout already keeps a
-bool mask, included) is peft's own forward, called as is.
+``lora_A`` without bias or hooks, training (with or without grad: a reentrant checkpoint's first pass runs under
+``no_grad`` and its recompute with grad, and both must draw the mask the same way). Everything else (a GPU,
+whose dropout already keeps a bool mask, included) is peft's own forward, called as is.
 
 ``apply_lora`` (and soup-plugin-streaming's loader) installs it whenever ``lora.dropout > 0``: with gradient
 checkpointing the layers' activations are not kept anyway, but the masks must be drawn the same way with
-checkpointing on or off, streamed or resident (the recompute restores the random state and redraws them). The backward pass is linear's own two ``mm`` calls written out, not a
-nested ``autograd.grad``: that one cost about 0.6 s a step in per-call overhead on SmolLM2-135M.
+checkpointing on or off, streamed or resident (the recompute restores the random state and redraws them). The
+backward pass is linear's own two ``mm`` calls written out, not a nested ``autograd.grad``: that one cost about
+0.6 s a step in per-call overhead on SmolLM2-135M.
 """
 
 from __future__ import annotations
