@@ -1,5 +1,6 @@
-"""The lean MLP forward (soup_core/default_plugins/transformers/lean_mlp.py): the same loss and gradients as the
-model's own MLP, bit for bit, without keeping the activation and the product for the backward pass."""
+"""The lean layers (soup_core/default_plugins/transformers/lean_layers.py): the same loss and gradients as the
+model's own layers, bit for bit, without keeping the MLP's activation and product and the norms' outputs for the
+backward pass."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from soup_core.default_plugins.transformers import lean_lora, lean_mlp  # noqa: E402
+from soup_core.default_plugins.transformers import lean_layers, lean_lora  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -31,11 +32,13 @@ def _model(tiny_model, dropout: float = 0.3):
 
 
 def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """Loss, gradients and how many MLP activations outlive the forward pass, for fixed data and dropout."""
+    """Loss, gradients and how many MLP activations and norm outputs outlive the forward pass, for fixed data and
+    dropout."""
     ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     acts: list[weakref.ref] = []
-    hooks = [m.act_fn.register_forward_hook(lambda _m, _a, out: acts.append(weakref.ref(out)))
-             for m in model.modules() if hasattr(m, "act_fn")]
+    names = ("act_fn", "input_layernorm", "post_attention_layernorm")
+    modules = [m for n, m in model.named_modules() if n.endswith(names)]
+    hooks = [m.register_forward_hook(lambda _m, _a, out: acts.append(weakref.ref(out))) for m in modules]
     torch.manual_seed(7)
     loss = model(input_ids=ids, labels=ids).loss
     alive = sum(ref() is not None for ref in acts)
@@ -54,25 +57,29 @@ def test_same_loss_and_gradients_without_keeping_the_activation(tiny_model, drop
         lean_lora.install(model)  # as apply_lora does: the down projection's lean dropout packs the product
     loss, grads, alive = _step(model)
     layers = model.config.num_hidden_layers
-    assert alive == layers  # control: autograd keeps each layer's activation for the backward pass
+    assert alive == 3 * layers  # control: autograd keeps each layer's activation and norm outputs
 
-    assert lean_mlp.install(model) == layers
+    assert lean_layers.install(model) == layers
     lean_loss, lean_grads, lean_alive = _step(model)
-    assert lean_alive == 0
+    # all but the first layer's input norm, whose input (the embeddings) needs no gradient: there the norm's
+    # output is kept, not its input, the same bytes
+    assert lean_alive == 1
     assert torch.equal(lean_loss, loss)
     assert lean_grads.keys() == grads.keys() and any("gate_proj.lora_A" in n for n in grads)
     assert all(torch.equal(lean_grads[n], grads[n]) for n in grads)
 
 
-def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch):
-    """Control for the test above: an activation recomputed one ulp off changes the gradients it compares."""
+@pytest.mark.parametrize("recipe", ["_Mlp.activation", "_Norm.get"])
+def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch, recipe):
+    """Control for the test above: a tensor recomputed one ulp off changes the gradients it compares."""
     model = _model(tiny_model)
     lean_lora.install(model)
-    lean_mlp.install(model)
+    lean_layers.install(model)
     loss, grads, _ = _step(model)
-    activation = lean_mlp._Recipe.activation
-    monkeypatch.setattr(lean_mlp._Recipe, "activation",
-                        lambda self, keep: torch.nextafter(activation(self, keep), torch.tensor(float("inf"))))
+    owner, name = recipe.split(".")
+    real = getattr(getattr(lean_layers, owner), name)
+    monkeypatch.setattr(getattr(lean_layers, owner), name,
+                        lambda self, *a, **k: torch.nextafter(real(self, *a, **k), torch.tensor(float("inf"))))
     off_loss, off_grads, _ = _step(model)
     assert torch.equal(off_loss, loss)  # the forward pass is untouched
     assert not all(torch.equal(off_grads[n], grads[n]) for n in grads)
@@ -80,7 +87,7 @@ def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch):
 
 def test_modified_in_place_is_refused(tiny_model):
     model = _model(tiny_model, dropout=0.0)
-    lean_mlp.install(model)
+    lean_layers.install(model)
     mlp = model.base_model.model.model.layers[0].mlp
     x = torch.randn(1, 5, model.config.hidden_size, requires_grad=True)
     gates: list[torch.Tensor] = []
@@ -96,15 +103,15 @@ def test_modified_in_place_is_refused(tiny_model):
 def test_eval_no_grad_and_other_mlps_keep_their_own_forward(tiny_model):
     model = _model(tiny_model, dropout=0.0)
     mlp = model.base_model.model.model.layers[0].mlp
-    assert lean_mlp.applies_to(mlp)
+    assert lean_layers.applies_to(mlp)
 
     class OtherMLP(type(mlp)):  # another expression: not touched
         def forward(self, x):
             return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
 
     other = OtherMLP(model.config)
-    assert not lean_mlp.applies_to(other)
-    lean_mlp.install(model)
+    assert not lean_layers.applies_to(other)
+    lean_layers.install(model)
     x = torch.randn(1, 3, model.config.hidden_size)
     with torch.no_grad():
         assert torch.equal(mlp(x), type(mlp).forward(mlp, x))
