@@ -1,6 +1,5 @@
-"""The lean layers (soup_core/default_plugins/transformers/lean_layers.py): the same loss and gradients as the
-model's own layers, bit for bit, without keeping the MLP's activation and product and the norms' outputs for the
-backward pass."""
+"""The lean MLP (soup_core/default_plugins/transformers/lean_layers.py): the same loss and gradients as the
+model's own MLP, bit for bit, without keeping the activation and the product for the backward pass."""
 
 from __future__ import annotations
 
@@ -32,13 +31,14 @@ def _model(tiny_model, dropout: float = 0.3):
 
 
 def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """Loss, gradients and how many MLP activations and norm outputs outlive the forward pass, for fixed data and
+    """Loss, gradients and how many MLP activations and products outlive the forward pass, for fixed data and
     dropout."""
     ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     acts: list[weakref.ref] = []
-    names = ("act_fn", "input_layernorm", "post_attention_layernorm")
-    modules = [m for n, m in model.named_modules() if n.endswith(names)]
-    hooks = [m.register_forward_hook(lambda _m, _a, out: acts.append(weakref.ref(out))) for m in modules]
+    acts_fns = [m for n, m in model.named_modules() if n.endswith("act_fn")]
+    downs = [m for n, m in model.named_modules() if n.endswith("mlp.down_proj")]
+    hooks = [m.register_forward_hook(lambda _m, _a, out: acts.append(weakref.ref(out))) for m in acts_fns]
+    hooks += [m.register_forward_pre_hook(lambda _m, args: acts.append(weakref.ref(args[0]))) for m in downs]
     torch.manual_seed(7)
     loss = model(input_ids=ids, labels=ids).loss
     alive = sum(ref() is not None for ref in acts)
@@ -57,19 +57,17 @@ def test_same_loss_and_gradients_without_keeping_the_activation(tiny_model, drop
         lean_lora.install(model)  # as apply_lora does: the down projection's lean dropout packs the product
     loss, grads, alive = _step(model)
     layers = model.config.num_hidden_layers
-    assert alive == 3 * layers  # control: autograd keeps each layer's activation and norm outputs
+    assert alive == 2 * layers  # control: autograd keeps each layer's activation and product
 
     assert lean_layers.install(model) == layers
     lean_loss, lean_grads, lean_alive = _step(model)
-    # all but the first layer's input norm, whose input (the embeddings) needs no gradient: there the norm's
-    # output is kept, not its input, the same bytes
-    assert lean_alive == 1
+    assert lean_alive == 0
     assert torch.equal(lean_loss, loss)
     assert lean_grads.keys() == grads.keys() and any("gate_proj.lora_A" in n for n in grads)
     assert all(torch.equal(lean_grads[n], grads[n]) for n in grads)
 
 
-@pytest.mark.parametrize("recipe", ["_Mlp.activation", "_Norm.get"])
+@pytest.mark.parametrize("recipe", ["_Mlp.activation", "_Product.get"])
 def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch, recipe):
     """Control for the test above: a tensor recomputed one ulp off changes the gradients it compares."""
     model = _model(tiny_model)

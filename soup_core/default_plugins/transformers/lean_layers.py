@@ -1,27 +1,25 @@
-"""Decoder layers that keep, for the backward pass, what the cheap tensors are computed from, not those tensors.
+"""A gated MLP that keeps its gate and up projections for the backward pass, not the activation and the product.
 
-A Llama-style layer is ``h + mlp(post_norm(h))`` after ``h = x + attn(input_norm(x))``, the MLP
-``down_proj(act_fn(gate_proj(y)) * up_proj(y))``. For the backward pass autograd keeps, among others:
+A Llama-style MLP computes ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``. For the backward pass autograd
+keeps the activation's input ``gate``, the activation ``act`` and ``up`` (the product's two factors) and, with a
+LoRA adapter on ``down_proj`` (or a ``down_proj`` that trains), the product ``act * up``: four tensors of
+``[tokens, intermediate]``. ``act`` and the product are cheap functions of ``gate`` and ``up``, which are kept
+anyway; here they are packed as recipes (``torch.autograd.graph.saved_tensors_hooks``, around the product and
+``down_proj`` only: every tensor saved under the hooks costs a Python call in each pass) and computed again, by
+the same calls on the same tensors, when the backward pass asks for them. Autograd's own backward formulas run
+on bit-identical tensors, so the loss and every gradient are bit-identical (tested with ``torch.equal``). The
+backward pass pays one activation and one product per layer: on SmolLM2-135M (30 layers, intermediate 1,536)
+at 4 x 70 tokens about 0.6 ms a layer, under 1% of a step, for 2 of the 4 tensors (3.1 MiB a layer at 4 x 65
+tokens, 94 MiB a step).
 
-- in the MLP, the activation's input ``gate``, the activation ``act`` and ``up`` (the product's factors) and,
-  with a LoRA adapter on ``down_proj``, the product ``act * up`` (``lora_A``'s input): four tensors of
-  ``[tokens, intermediate]``;
-- each RMSNorm's input (and its reciprocal root mean square, one number a token) for the norm itself, and the
-  norm's output as the input of the LoRA adapters on q/k/v and on gate/up.
+The same recipes would serve the RMSNorms' outputs (the input of the LoRA adapters on q/k/v and gate/up, 1.2
+MiB a layer more), but the hooks then have to span the attention, whose saved tensors each pay the Python call
+in both passes: measured, 3-8% more CPU a step for 35 MiB. Not done.
 
-``act`` and the product are cheap functions of ``gate`` and ``up``, and a norm's output of the norm's input,
-all of them kept anyway. Here those tensors are packed as recipes (``torch.autograd.graph.saved_tensors_hooks``
-around each layer) and computed again, by the same calls on the same tensors, when the backward pass asks for
-them. Autograd's own backward formulas run on bit-identical tensors, so the loss and every gradient are
-bit-identical (tested with ``torch.equal``). The backward pass pays one activation, one product and two norms
-per layer; on SmolLM2-135M (30 layers, hidden 576, intermediate 1,536) at 4 x 70 tokens that is about 0.6 ms +
-0.5 ms a layer, 1.2% of a 2.7 s step, and it keeps 4.3 of the layer's ~11.5 MiB (at 4 x 65 tokens).
-
-Installed as instance ``forward`` methods, only where the code is the known one (compared by code object with
-transformers' ``LlamaMLP``, ``LlamaRMSNorm`` and ``LlamaDecoderLayer``: Llama, Mistral, Qwen2 and others copy
-them), with a parameterless activation, when training on a CPU with grad enabled. Anything else is the
-model's own forward. A tensor a recipe reads that is modified in place before the backward pass is refused, as
-autograd refuses it.
+Installed as an instance ``forward`` on each MLP whose class's ``forward`` is that one expression (compared by
+code object with ``LlamaMLP.forward``: Llama, Mistral, Qwen2/3 and others copy it), whose ``act_fn`` is a
+parameterless activation, when training on a CPU with grad enabled. Anything else is the model's own forward.
+A tensor a recipe reads that is modified in place before the backward pass is refused, as autograd refuses it.
 """
 
 from __future__ import annotations
@@ -85,30 +83,6 @@ class _Product(_Act):
             return act * self.mlp.up
 
 
-class _Norm:
-    """A norm's output from its input; computed once for the layers that share it (q/k/v, gate/up)."""
-
-    __slots__ = ("norm", "hidden", "version", "value", "count")
-
-    def __init__(self, norm: Any, hidden: torch.Tensor) -> None:
-        self.norm, self.hidden, self.version = norm, hidden, hidden._version
-        self.value: torch.Tensor | None = None
-        self.count = 0  # packed and not yet unpacked
-
-    def packed(self) -> None:
-        self.count += 1
-
-    def get(self) -> torch.Tensor:
-        _check((self.hidden,), (self.version,))
-        value = self.value
-        if value is None:
-            with torch.no_grad():
-                value = type(self.norm).forward(self.norm, self.hidden)
-        self.count -= 1
-        self.value = value if self.count > 0 else None
-        return value
-
-
 class _View:
     """A view of a recomputed tensor (a linear layer saves its 3-d input flattened to 2-d)."""
 
@@ -145,30 +119,17 @@ def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """``LlamaMLP.forward``, the same calls in the same order, ``act`` and the product marked as recipes."""
     if not _lean(self, x):
         return type(self).forward(self, x)
-    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):  # also where the layer is not wrapped
-        gate = self.gate_proj(x)
-        act = self.act_fn(gate)
-        up = self.up_proj(x)
-        mlp = _Mlp(self.act_fn, gate, up)
-        setattr(act, _RECIPE, _Act(mlp))
+    gate = self.gate_proj(x)
+    act = self.act_fn(gate)
+    up = self.up_proj(x)
+    mlp = _Mlp(self.act_fn, gate, up)
+    setattr(act, _RECIPE, _Act(mlp))
+    # the hooks only where the two are saved: each tensor saved under them costs a Python call in both passes
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         product = act * up
         setattr(product, _RECIPE, _Product(mlp))
         del act
         return self.down_proj(product)
-
-
-def _norm_forward(self: Any, hidden: torch.Tensor) -> torch.Tensor:
-    out = type(self).forward(self, hidden)
-    if _lean(self, hidden) and out.requires_grad:
-        setattr(out, _RECIPE, _Norm(self, hidden))
-    return out
-
-
-def _layer_forward(self: Any, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if not _lean(self, hidden):
-        return type(self).forward(self, hidden, *args, **kwargs)
-    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-        return type(self).forward(self, hidden, *args, **kwargs)
 
 
 def _same_code(module: Any, reference: Any) -> bool:
@@ -177,18 +138,18 @@ def _same_code(module: Any, reference: Any) -> bool:
                                                                                    ref.co_consts)
 
 
-def _references() -> tuple[Any, Any, Any] | None:
+def _reference() -> Any:
     try:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaMLP
     except ImportError:
         return None
-    return LlamaMLP, LlamaRMSNorm, LlamaDecoderLayer
+    return LlamaMLP
 
 
 def applies_to(mlp: Any) -> bool:
     """Whether ``mlp``'s forward is ``LlamaMLP.forward``'s expression with a parameterless activation."""
-    refs = _references()
-    if refs is None or not _same_code(mlp, refs[0]):
+    ref = _reference()
+    if ref is None or not _same_code(mlp, ref):
         return False
     act = getattr(mlp, "act_fn", None)
     return isinstance(act, torch.nn.Module) and not any(True for _ in act.parameters()) \
@@ -196,21 +157,11 @@ def applies_to(mlp: Any) -> bool:
 
 
 def install(model: Any) -> int:
-    """Give each MLP of ``model`` that :func:`applies_to`, and each Llama-style decoder layer with its two
-    RMSNorms, the lean forward (instance attributes; the classes, the weights and the state dict are
-    untouched). Returns how many MLPs got it."""
-    refs = _references()
-    if refs is None:
-        return 0
+    """Give each MLP of ``model`` that :func:`applies_to` the lean forward (an instance attribute; the class, the
+    weights and the state dict are untouched). Returns how many got it."""
     count = 0
     for module in model.modules():
         if applies_to(module):
             module.forward = types.MethodType(_mlp_forward, module)
             count += 1
-        elif _same_code(module, refs[2]):
-            module.forward = types.MethodType(_layer_forward, module)
-            for name in ("input_layernorm", "post_attention_layernorm"):
-                norm = getattr(module, name, None)
-                if norm is not None and _same_code(norm, refs[1]) and not norm._forward_hooks:
-                    norm.forward = types.MethodType(_norm_forward, norm)
     return count
