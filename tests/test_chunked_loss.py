@@ -187,3 +187,23 @@ def test_is_top1_is_argmax_with_ties_and_nans():
     # control: comparing with the maximum alone misses the tie before the target and the NaN at it
     naive = logits.gather(1, targets[:, None]).squeeze(1) == logits.amax(dim=-1)
     assert not torch.equal(naive, expected)
+
+
+def test_frozen_head_entropy_in_place_is_the_plain_formula_bit_for_bit():
+    """The frozen head multiplies probabilities into its logits in place (one chunk-sized buffer fewer): its
+    entropy is the out-of-place ``log_z - (probs * logits).sum(-1)`` bit for bit."""
+    gen = torch.Generator().manual_seed(6)
+    head = torch.nn.Linear(24, 500, bias=False).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.normal_(0, 1, generator=gen)
+    hidden = torch.randn(9, 24, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 500, (9,), generator=gen)
+    log_probs, entropy, top1 = chunked_loss._FrozenHead.apply(hidden, targets, head, True)
+    logits = head(hidden.detach())
+    log_z = torch.logsumexp(logits, dim=-1)
+    probs = (logits - log_z[:, None]).exp_()
+    assert torch.equal(entropy, log_z - (probs * logits).sum(dim=-1))
+    assert torch.equal(log_probs, logits.gather(1, targets[:, None]).squeeze(1) - log_z)
+    assert torch.equal(top1, logits.argmax(-1) == targets)
+    # control: the same entropy summed another way differs in its last bits, so torch.equal tells them apart
+    assert not torch.equal(entropy, log_z - (probs.double() * logits.double()).sum(dim=-1).float())

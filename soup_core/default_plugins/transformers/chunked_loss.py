@@ -130,8 +130,10 @@ class _FrozenHead(torch.autograd.Function):
             log_z = torch.logsumexp(logits, dim=-1)
             log_probs = logits.gather(1, targets[:, None]).squeeze(1) - log_z
             probs = (logits - log_z[:, None]).exp_()
-            entropy = log_z - (probs * logits).sum(dim=-1) if extras else None
             top1 = is_top1(logits, targets) if extras else None
+            # the products in place of the logits, which nothing reads after: two chunk-sized buffers at a time,
+            # not three (the same products, l * p is p * l, so the same sums as a new probs * logits)
+            entropy = log_z - logits.mul_(probs).sum(dim=-1) if extras else None
             del logits
             # d lp / d logits = onehot(target) - softmax; rows are independent, so row i of the result is d lp_i / d h_i
             ones = torch.ones_like(log_probs)[:, None]

@@ -180,6 +180,15 @@ def resolve_target_modules(model: Any, target_modules: Any) -> list[str]:
     return found
 
 
+def _lean_layers(model: Any, config: Any) -> None:
+    # the MLPs keep their gate and up projections for the backward pass, not the activation and the product
+    # (exact; lean_layers.py); checkpointed layers keep nothing anyway
+    if not config.training.gradient_checkpointing:
+        from soup_core.default_plugins.transformers.lean_layers import install
+
+        install(model)
+
+
 def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
     """Add a LoRA adapter as the config asks (``lora.r: 0``: none, every weight trains). Returns the model."""
     lora = config.training.lora
@@ -188,6 +197,7 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
     if r == 0:
         for param in model.parameters():
             param.requires_grad_(True)
+        _lean_layers(model, config)
         report("LoRA off (training.lora.r: 0): full fine-tuning")
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -212,6 +222,7 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
         from soup_core.default_plugins.transformers.lean_lora import install
 
         install(model)
+    _lean_layers(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     report(
