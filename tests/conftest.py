@@ -1,6 +1,6 @@
 """Shared fixtures for the core's tests: the test kit (``soup_core.testing``: ``soup_home``, ``tiny_model``,
 ``torch_one_thread``, ``run_training``), pytester, ``sft_run``, a prepared run of the built-in backend, and
-``soup``, the CLI called in this process.
+``soup``, the CLI called in this process, and ``tiny_lora``, the tiny model with a LoRA adapter that matters.
 
 Light at import (no torch): tests that check the CLI stays light share this file. Fixtures that need
 torch import it when used.
@@ -130,3 +130,30 @@ def soup(soup_home: Path, capsys: pytest.CaptureFixture[str], torch_one_thread: 
         return subprocess.CompletedProcess(["soup", *args], code, out, err)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_model: Path):
+    """A factory: the tiny model with LoRA r 4 (alpha 8) on ``targets``, its B matrices drawn (they start at
+    zero) so the adapters and their dropout matter, in train mode; torch on one thread, seed 0. ``prepare`` runs
+    on the base model before the adapter goes on."""
+
+    def make(dropout: float, targets: list[str], prepare: Any = None) -> Any:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+        if prepare is not None:
+            prepare(model)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.05)
+        model.train()
+        return model
+
+    return make

@@ -11,24 +11,12 @@ from soup_core.default_plugins.transformers import chunked_loss  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def lora_model(tiny_model):
+def lora_model(tiny_lora):
     """The tiny Llama with LoRA on every linear layer, the head included, and trl's fused head under ours."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
-    with torch.no_grad():  # LoRA B starts at zero; make the adapters matter
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    model.train()
-    return model
+    return tiny_lora(0.0, targets, prepare=lambda m: add_fused_lm_head(m, outputs=("log_probs", "entropy", "is_top1")))
 
 
 def _batch(model, seed: int = 1):

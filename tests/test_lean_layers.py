@@ -14,22 +14,6 @@ from soup_core.default_plugins.transformers import lean_layers, lean_lora  # noq
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _model(tiny_model, dropout: float = 0.3):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS))
-    with torch.no_grad():  # LoRA B starts at zero; make the adapters matter
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    model.train()
-    return model
-
-
 def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """Loss, gradients and how many MLP activations and products outlive the forward pass, for fixed data and
     dropout."""
@@ -51,8 +35,8 @@ def _step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
 
 
 @pytest.mark.parametrize("dropout", [0.3, 0.0])
-def test_same_loss_and_gradients_without_keeping_the_activation(tiny_model, dropout):
-    model = _model(tiny_model, dropout)
+def test_same_loss_and_gradients_without_keeping_the_activation(tiny_lora, dropout):
+    model = tiny_lora(dropout, TARGETS)
     if dropout:
         lean_lora.install(model)  # as apply_lora does: the down projection's lean dropout packs the product
     loss, grads, alive = _step(model)
@@ -68,9 +52,9 @@ def test_same_loss_and_gradients_without_keeping_the_activation(tiny_model, drop
 
 
 @pytest.mark.parametrize("recipe", ["_Mlp.activation", "_Product.get"])
-def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch, recipe):
+def test_a_wrong_recomputation_is_caught(tiny_lora, monkeypatch, recipe):
     """Control for the test above: a tensor recomputed one ulp off changes the gradients it compares."""
-    model = _model(tiny_model)
+    model = tiny_lora(0.3, TARGETS)
     lean_lora.install(model)
     lean_layers.install(model)
     loss, grads, _ = _step(model)
@@ -83,8 +67,8 @@ def test_a_wrong_recomputation_is_caught(tiny_model, monkeypatch, recipe):
     assert not all(torch.equal(off_grads[n], grads[n]) for n in grads)
 
 
-def test_modified_in_place_is_refused(tiny_model):
-    model = _model(tiny_model, dropout=0.0)
+def test_modified_in_place_is_refused(tiny_lora):
+    model = tiny_lora(0.0, TARGETS)
     lean_layers.install(model)
     mlp = model.base_model.model.model.layers[0].mlp
     x = torch.randn(1, 5, model.config.hidden_size, requires_grad=True)
@@ -98,8 +82,8 @@ def test_modified_in_place_is_refused(tiny_model):
         out.sum().backward()
 
 
-def test_eval_no_grad_and_other_mlps_keep_their_own_forward(tiny_model):
-    model = _model(tiny_model, dropout=0.0)
+def test_eval_no_grad_and_other_mlps_keep_their_own_forward(tiny_lora):
+    model = tiny_lora(0.0, TARGETS)
     mlp = model.base_model.model.model.layers[0].mlp
     assert lean_layers.applies_to(mlp)
 

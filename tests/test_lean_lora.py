@@ -10,22 +10,7 @@ torch = pytest.importorskip("torch")
 
 from soup_core.default_plugins.transformers import lean_lora  # noqa: E402
 
-
-def _model(tiny_model, dropout: float):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets))
-    with torch.no_grad():  # LoRA B starts at zero; make the adapters (and so the dropout masks) matter
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    model.train()
-    return model
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class _Replay(torch.nn.Module):
@@ -96,8 +81,8 @@ def _peft_step(model, masks: list, shift: int = 0) -> tuple[torch.Tensor, dict[s
     return loss, grads, kept
 
 
-def test_same_loss_and_gradients_as_peft_for_the_same_masks_with_less_kept(tiny_model):
-    model = _model(tiny_model, dropout=0.3)
+def test_same_loss_and_gradients_as_peft_for_the_same_masks_with_less_kept(tiny_lora):
+    model = tiny_lora(0.3, TARGETS)
     assert lean_lora.install(model) == 7 * model.config.num_hidden_layers
     drawn: list = []
     lean_loss, lean_grads, lean_kept, lean_masks = _step(model, seed=7, record=drawn)
@@ -191,8 +176,8 @@ def test_drop_positions_repeat_with_the_seed_and_do_not_depend_on_the_batch():
         drop_positions(10, 0.0)
 
 
-def test_no_dropout_and_eval_keep_peft_forward(tiny_model):
-    model = _model(tiny_model, dropout=0.0)
+def test_no_dropout_and_eval_keep_peft_forward(tiny_lora):
+    model = tiny_lora(0.0, TARGETS)
     lean_lora.install(model)
     layer = next(m for m in model.modules() if hasattr(m, "lora_A") and "forward" in vars(m))
     x = torch.randn(1, 3, layer.in_features)
@@ -220,14 +205,14 @@ def test_soups_lora_gets_it_with_dropout_checkpointing_or_not(tiny_model, dropou
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpointing_on_or_off_gives_the_same_loss_and_gradients(tiny_model, reentrant):
+def test_checkpointing_on_or_off_gives_the_same_loss_and_gradients(tiny_lora, reentrant):
     """With the lean forward installed, gradient checkpointing recomputes each layer with the random state
     restored and redraws the same masks (a reentrant checkpoint's first pass runs under ``no_grad``, its recompute
     with grad: both take the lean path), so loss and gradients equal those of the run without it, bit for bit.
     The control: peft's own forward under checkpointing draws its masks with ``bernoulli_`` and differs."""
 
     def run(install: bool, checkpointing: bool):
-        model = _model(tiny_model, 0.1)
+        model = tiny_lora(0.1, TARGETS)
         if install:
             lean_lora.install(model)
         if checkpointing:
