@@ -6,8 +6,8 @@ What a plugin imports from here (docs/plugins.md, "The trainer seam"):
 - the trainer seam: :class:`SoupTrainerMixin` (``from_setup``, ``soup_token_loss``, ``soup_row_losses``),
   :class:`SoupSFTTrainer`, :class:`TrainerSetup`, :class:`RowCollator`, :func:`datasets_for`, :func:`row_sums`;
 - the backend: :data:`HONOURED_FIELDS` (the support row of ``(transformers, sft)``), :class:`BackendError`,
-  :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`resolve_dtype`, :func:`resolve_target_modules`,
-  :func:`merge_adapter`, :class:`TransformersBackend`;
+  :func:`load_model_and_tokenizer`, :func:`apply_lora`, :func:`install_lean_lora`, :func:`resolve_dtype`,
+  :func:`resolve_target_modules`, :func:`merge_adapter`, :class:`TransformersBackend`;
 - a tiny local model: :func:`tiny_model_dir`, :func:`build_tiny_model`, :func:`build_tiny_tokenizer`, and one
   pretrained on synthetic chat rows (:func:`tiny_pretrained_dir`, :func:`synthetic_conversations`);
 - :func:`base_problem`: what a dry run can check of a base without loading its weights, and
@@ -36,8 +36,8 @@ silence_third_party_noise()
 # name -> submodule
 _EXPORTS = {
     **dict.fromkeys(("HONOURED_FIELDS", "PreparedRun", "TransformersBackend"), "backend"),
-    **dict.fromkeys(("BackendError", "apply_lora", "load_model_and_tokenizer", "merge_adapter", "resolve_dtype",
-                     "resolve_target_modules"), "loading"),
+    **dict.fromkeys(("BackendError", "apply_lora", "install_lean_lora", "load_model_and_tokenizer", "merge_adapter",
+                     "resolve_dtype", "resolve_target_modules"), "loading"),
     **dict.fromkeys(("RowCollator", "SoupSFTTrainer", "SoupTrainerMixin", "TrainerSetup", "datasets_for",
                      "row_sums"), "trainer"),
     **dict.fromkeys(("build_tiny_model", "build_tiny_tokenizer", "tiny_model_dir"), "tiny"),

@@ -189,6 +189,17 @@ def _lean_layers(model: Any, config: Any) -> None:
         install(model)
 
 
+def install_lean_lora(model: Any) -> int:
+    """Give each plain peft LoRA layer of ``model`` Soup's dropout forward (``lean_lora.py``): the mask drawn gap by
+    gap (the same Bernoulli law as ``torch.dropout``) and kept as the dropped positions for the backward pass.
+    ``apply_lora`` calls it whenever ``lora.dropout > 0``, with gradient checkpointing or without (the recompute
+    restores the random state and draws the same masks); a plugin that builds its own peft model calls it so that
+    its runs draw the masks a resident Soup run draws. Returns how many layers got it."""
+    from soup_core.default_plugins.transformers.lean_lora import install
+
+    return install(model)
+
+
 def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
     """Add a LoRA adapter as the config asks (``lora.r: 0``: none, every weight trains). Returns the model."""
     lora = config.training.lora
@@ -216,12 +227,7 @@ def apply_lora(model: Any, config: Any, *, report: Any = print) -> Any:
     )
     model = get_peft_model(model, peft_config)
     if float(lora.dropout) > 0:
-        # dropout keeps its dropped positions for backward, not its float noise and a dropped copy of the input,
-        # and draws them gap by gap (lean_lora.py); with gradient checkpointing too, so that a run draws the same
-        # masks with checkpointing on or off (the recompute restores the random state)
-        from soup_core.default_plugins.transformers.lean_lora import install
-
-        install(model)
+        install_lean_lora(model)
     _lean_layers(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

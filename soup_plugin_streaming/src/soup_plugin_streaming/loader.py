@@ -214,9 +214,9 @@ def load_streamed(config: Any, *, report: Report = print, store_root: Path | Non
     )
     if lora["lora_dropout"] > 0:
         # the resident run's dropout (the core's lean LoRA forward) draws its masks its own way: the same here
-        from soup_core.default_plugins.transformers.lean_lora import install
+        from soup_core.default_plugins.transformers import install_lean_lora
 
-        install(model)
+        install_lean_lora(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     kind = "nf4" if settings.quant == "nf4" else str(dtype).removeprefix("torch.")
