@@ -213,9 +213,9 @@ def load_streamed(config: Any, *, report: Report = print, store_root: Path | Non
         name_or_path=str(source),
     )
     if lora["lora_dropout"] > 0 and quant == "none":
-        # the resident run's dropout (the core's LoRA forward on plain layers) draws its masks its own way: the
-        # same here. A resident 4-bit run's LoRA layers are peft's bitsandbytes ones, with torch.dropout's draw,
-        # so a streamed NF4 run keeps peft's forward too
+        # the resident run's dropout (the core's LoRA forward on plain layers) draws its masks its own way:
+        # the same here. A resident 4-bit run's LoRA layers are peft's bitsandbytes ones, with torch.dropout's
+        # draw, so a streamed NF4 run keeps peft's forward too
         from soup_core.default_plugins.transformers import install_lean_lora
 
         install_lean_lora(model)
