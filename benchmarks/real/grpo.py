@@ -24,8 +24,8 @@ Both runs' ``mitigation_log.jsonl`` actions are recorded, with each step's train
 verdict; the hack part also records its wall time.
 
 Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
-       (offline; not yet timed on a quiet 2-CPU machine: one seed took 25 minutes at a load average of 10-12;
-       the 40-step wordy hack part 16-19 minutes at a load average of 1-7)
+       (offline; the default run took 20.1 minutes on one thread with the other core busy, load 1-2.5; on a
+       shared machine one seed took 25 minutes at a load average of 10-12, the 40-step wordy hack part 16-19)
        python benchmarks/real/grpo.py --combine s0.json s1.json s2.json [--record]   (the seeds as parallel
        processes: each `--parts seeds --seeds N > sN.json`, then one result from their printed JSON)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
