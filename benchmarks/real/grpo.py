@@ -17,15 +17,16 @@ The reward-hack controller (``training.reward_hack_mitigation: kl_control``, sig
 repetition, vote max, median smoothing over 4 steps) runs in every seed: it must stay quiet (no beta change) on
 this honest reward (a batch whose completions all score alike, as once the policy masters the sum, is unjudged;
 so is one whose halves are constant, and only a fall of the separation beyond its baseline steps' scatter counts).
-The control: one run with a planted hackable reward (``repeat``: pays for the share of the completion's words
-that are its most frequent word, which the policy exploits by repeating one word; or, with ``--hack-reward
-wordy``, one that pays for words up to 16), same settings: the controller must act there (raise beta).
-Both runs' ``mitigation_log.jsonl`` actions are recorded, with each step's training reward, mean length, beta and
-verdict; the hack part also records its wall time.
+The control: one run with a planted hackable reward, same settings, for ``--hack-steps`` (40) steps: ``wordy``
+(the default) pays for words up to 16, whatever they say, which the policy learns within a few steps; with
+``--hack-reward repeat``, the share of the completion's words that are its most frequent word (which the policy
+did not learn here in 20 steps, so the controller rightly stayed quiet). The controller must act on the planted
+run (raise beta). Both runs' ``mitigation_log.jsonl`` actions are recorded, with each step's training reward,
+mean length, beta and verdict; the hack part also records its wall time.
 
-Usage: python benchmarks/real/grpo.py [--steps 30] [--seeds 0 1 2] [--parts seeds,hack] [--record]
-       (offline; the default run took 20.1 minutes on one thread with the other core busy, load 1-2.5; on a
-       shared machine one seed took 25 minutes at a load average of 10-12, the 40-step wordy hack part 16-19)
+Usage: python benchmarks/real/grpo.py [--steps 30] [--hack-steps 40] [--seeds 0 1 2] [--parts seeds,hack]
+                                      [--hack-reward wordy|repeat] [--record]
+       (offline; see docs/results.md, "Run times", for how long it takes on 2 CPUs)
        python benchmarks/real/grpo.py --combine s0.json s1.json s2.json [--record]   (the seeds as parallel
        processes: each `--parts seeds --seeds N > sN.json`, then one result from their printed JSON)
        python benchmarks/real/grpo.py --smoke [--base DIR]   (the same code path on the small pretrained model:
@@ -254,12 +255,14 @@ def combine(paths: list[Path]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each seed's run")
+    parser.add_argument("--hack-steps", type=int, default=40,
+                        help="optimizer steps of the planted hack run (wordy needs about 40 to trip the controller)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parts", default="seeds,hack",
                         help="seeds (base and trained seeds), hack (the planted hackable run), or both; --record "
                              "keeps the recorded values of a part not run")
-    parser.add_argument("--hack-reward", choices=["repeat", "wordy"], default="repeat",
+    parser.add_argument("--hack-reward", choices=["repeat", "wordy"], default="wordy",
                         help="the planted hackable reward (wordy records under hack_wordy; the hack run takes the "
                              "first of --seeds, and a seed other than 0 records under hack_wordy_seedN)")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained model, 2 steps, 1 seed")
@@ -285,7 +288,7 @@ def main() -> None:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
 
         base, model_name = str(args.base or tiny_pretrained_dir()), "tiny_pretrained"
-        args.steps, args.seeds, n_train, n_held, batch = 2, args.seeds[:1], 4, 4, 2
+        args.steps, args.hack_steps, args.seeds, n_train, n_held, batch = 2, 2, args.seeds[:1], 4, 4, 2
     else:
         base, model_name = _common.real_folder()
         n_train, n_held, batch = 21, 24, 2
@@ -317,8 +320,8 @@ def main() -> None:
         name = "hack" if args.hack_reward == "repeat" else f"hack_{args.hack_reward}"
         name += f"_seed{args.seeds[0]}" if args.seeds[0] != 0 else ""  # another seed's hack run is kept beside
         started, load_before = time.perf_counter(), _common.load_average()
-        out = train(base, work, env, name, args.hack_reward, args.seeds[0], args.steps, batch)
-        result[name] = {"reward": args.hack_reward, "seed": args.seeds[0], "steps": args.steps,
+        out = train(base, work, env, name, args.hack_reward, args.seeds[0], args.hack_steps, batch)
+        result[name] = {"reward": args.hack_reward, "seed": args.seeds[0], "steps": args.hack_steps,
                         "controller": controller_log(out), "wall_s": round(time.perf_counter() - started, 1),
                         "load_average_before": load_before}  # the part's wall time on a shared machine
         result[f"controller_acts_on_{name}"] = result[name]["controller"]["acted"]

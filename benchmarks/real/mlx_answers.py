@@ -2,12 +2,11 @@
 answers.
 
 The recipe is the quickstart's (``soup quickstart``: its rows, teaching SmolLM2-135M-Instruct the name "Basil"
-while keeping what it knew; LoRA r 8, alpha 16, linear schedule, batch 4, float32, seed 0), cut to its first
-``--steps`` optimizer steps (default 24 of the full run's 51: ``training.max_steps``, so the linear schedule
-decays over those steps) with the peak learning rate raised so the area under the schedule stays the full recipe's
-(5e-4 x 51 / 24 = 1.06e-3; ``--learning-rate`` sets another). Cut the same way on both sides. 12 steps at the
-recipe's 5e-4 taught nothing (none of the 24 held-out name questions answered "Basil"). The full recipe on the mlx
-backend does not fit in 15 minutes on this machine (see the speed below); ``--steps 0`` runs it.
+while keeping what it knew; LoRA r 8, alpha 16, linear schedule, batch 4, float32, seed 0), all 51 of its steps
+on both backends. ``--steps N`` cuts it to its first N optimizer steps on both sides (``training.max_steps``, so
+the linear schedule decays over those steps), with the peak learning rate raised so the area under the schedule
+stays the full recipe's (5e-4 x 51 / N; ``--learning-rate`` sets another); 12 steps at the recipe's 5e-4 taught
+nothing (none of the 24 held-out name questions answered "Basil").
 
 Measure: each trained adapter's greedy answers (48 new tokens, as ``soup eval --facts`` answers, with the run's
 chat template) to the quickstart's 24 held-out name questions (the share that states "Basil") and its 23 retain
@@ -23,7 +22,7 @@ slower than the optimized GEMM torch uses: that, not Soup's trainer, is why mlx 
 ``libopenblas0-pthread``: ``/usr/lib/x86_64-linux-gnu/libopenblas.so.0``); the result records it.
 
 Usage: python benchmarks/real/mlx_answers.py [--steps N] [--together] [--mlx-preload LIB] [--record]
-       (about 25 minutes on 2 shared CPUs with --together and the preload, far longer without; offline)
+       (about 6 minutes on 2 CPUs with --together and the preload, far longer without; offline)
        python benchmarks/real/mlx_answers.py --smoke --base DIR   (the same code path on a small model, 2 steps)
 """
 
@@ -154,7 +153,8 @@ def matmul_gflops(preload: Path | None) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps of the recipe (0: the full recipe)")
+    parser.add_argument("--steps", type=int, default=0, help="cut the recipe to its first N optimizer steps "
+                        "(default 0: the full recipe, 51 steps)")
     parser.add_argument("--learning-rate", type=float, default=None, help="the peak learning rate (default: the "
                         "recipe's 5e-4 for the full recipe, 5e-4 x 51 / steps for a cut one)")
     parser.add_argument("--together", action="store_true", help="train the two backends at once, one process each")

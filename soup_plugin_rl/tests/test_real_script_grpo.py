@@ -45,6 +45,7 @@ def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path, tmp_path: Pat
     got = script.arithmetic([prompt] * 4, ["3 + 4 = 7", "The answer is 8.", "no number", "4 and 3"])
     assert got == [1.0, 0.5 * (1 - 1 / 7), 0.0, 0.0]  # the operands are not the answer
     assert script.repeat([""] * 2, ["a a a b", "a b c d"]) == [0.75, 0.25]
+    assert script.wordy([""] * 2, ["a b c d", " ".join("w" * 20)]) == [0.25, 1.0]  # words, capped at 16
     train, held = script.split(21, 24)
     assert not {frozenset(p) for p in train} & {frozenset(p) for p in held}
 
@@ -61,12 +62,14 @@ def test_grpo_script_smoke(tiny_pretrained: Path, soup_home: Path, tmp_path: Pat
     base = result["base"]["sampled_mean_reward"]
     assert result["rise"] == pytest.approx(result["trained_mean"] - base, abs=2e-4)
     assert result["goal_rise_beyond_spread"] is None  # one seed has no spread to judge against
-    for log in [s["controller"] for s in result["seeds"].values()] + [result["hack"]["controller"]]:
+    for log in [s["controller"] for s in result["seeds"].values()] + [result["hack_wordy"]["controller"]]:
         assert log["steps_judged"] == 2 and log["final_beta"] == pytest.approx(0.04)
         assert [row[0] for row in log["per_step"]] == [1, 2] and log["per_step"][-1][3] == log["final_beta"]
-    assert result["hack"]["wall_s"] > 0 and len(result["hack"]["load_average_before"]) == 3
+    hack = result["hack_wordy"]  # the default planted reward; its steps are --hack-steps (2 in the smoke)
+    assert (hack["reward"], hack["steps"]) == ("wordy", 2)
+    assert hack["wall_s"] > 0 and len(hack["load_average_before"]) == 3
     assert isinstance(result["controller_quiet_on_honest"], bool)
-    assert isinstance(result["controller_acts_on_hack"], bool)
+    assert isinstance(result["controller_acts_on_hack_wordy"], bool)
 
     # --combine: separate one-seed runs (parallel processes) joined into one result, their spread judged
     other = json.loads(json.dumps(result))
