@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
+from soup_plugin_mlx import blas
+
 pytest_plugins = ["soup_core.testing"]
+
+# Before any test imports mlx: in-process runs then multiply on the BLAS a `soup train` process uses
+# (soup_plugin_mlx.blas), whichever test runs first.
+blas.activate()
 
 
 @pytest.fixture(autouse=True)

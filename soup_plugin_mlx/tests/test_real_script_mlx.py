@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,4 +38,10 @@ def test_mlx_answers_smoke(tiny_pretrained: Path, tmp_path: Path) -> None:
     first = [found["training"][backend]["first_loss"] for backend in ("transformers", "mlx")]
     assert abs(first[0] - first[1]) < 2e-3
     assert math.isfinite(found["held_out_gap_points"]) and isinstance(found["met"], bool)
-    assert all(rate > 0 for rate in found["matmul_gflops_one_thread"].values())
+    rates = found["matmul_gflops_one_thread"]
+    assert all(rates[key] > 0 for key in ("mlx_own_blas", "mlx_as_trained", "torch")), rates
+    # the matmul probe ran on the BLAS the mlx run trained on (OpenBLAS, the plugin's default, where a C
+    # compiler builds its shim), and on mlx's own
+    assert found["mlx_blas"] == rates["mlx_as_trained_blas"], found
+    assert found["mlx_blas"].startswith("OpenBLAS") or not (shutil.which("cc") or shutil.which("gcc")), found
+    assert rates["mlx_own_blas_blas"].startswith("the reference BLAS")

@@ -65,6 +65,9 @@ def test_soup_train_on_mlx_records_everything(
     assert "backend mlx" in out and "LoRA r=8 alpha=16 on q_proj, k_proj, v_proj, o_proj, gate_proj" in out
     assert "step 4/12  loss" in out and "step 12/12  loss" in out  # the progress lines, every logging_steps
     assert out.count("watchdog off: its divergence rule") == 1  # one line, and the run trained
+    from soup_plugin_mlx import blas
+
+    assert f"mlx CPU matmuls: {blas.activate().name}" in out  # tests/test_blas.py: OpenBLAS, and used
 
     from soup_core import Tracker
 
@@ -77,6 +80,7 @@ def test_soup_train_on_mlx_records_everything(
     losses = [m["loss"] for _, m in metrics]
     assert losses[-1] < losses[0] - 0.2, losses
     assert run.summary["steps"] == 12 and run.summary["tokens_per_second"] > 0
+    assert run.summary["cpu_blas"] == blas.activate().name
 
     output = tmp_path / "output"
     config = json.loads((output / "adapter_config.json").read_text())

@@ -21,6 +21,9 @@ class MLXBackend(Backend):
 
     def train(self, context: Any) -> dict[str, Any]:
         """Run one training run; returns its summary (status, steps, losses, tokens/s, ...)."""
+        from soup_plugin_mlx import blas
+
+        blas.activate()  # before the training loop imports mlx (soup_plugin_mlx.blas says why)
         from soup_plugin_mlx.trainer import MLXRun
 
         return MLXRun(context).run()

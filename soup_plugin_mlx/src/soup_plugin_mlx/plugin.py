@@ -59,6 +59,9 @@ def soup_register_export_targets() -> list[ExportTarget]:
 def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
     if backend != MLXBackend.name:
         return None
+    from soup_plugin_mlx import blas
+
+    blas.activate()  # before the model loader imports mlx (soup_plugin_mlx.blas says why)
     from soup_plugin_mlx.model import load_model_and_tokenizer
 
     return load_model_and_tokenizer(config)
@@ -68,11 +71,17 @@ def soup_load_model(config: Any, backend: str, task: Any) -> LoadedModel | None:
 def soup_preflight(config: Any) -> PreflightReport | None:
     """The base is a model folder whose config and tokenizer load, or a cached hub id when offline: so a dry
     run fails where the run would, before any weights load. Also what of the watchdog runs here: its
-    non-finite rule, not its divergence rule (one line; ``training.watchdog: true`` is refused)."""
+    non-finite rule, not its divergence rule (one line; ``training.watchdog: true`` is refused); and a
+    ``SOUP_MLX_BLAS`` that names no usable BLAS is refused."""
     if getattr(config, "backend", None) != MLXBackend.name:
         return None
     from soup_core.default_plugins.transformers import base_problem
+    from soup_plugin_mlx import blas
 
+    try:  # here, not only in the deep probe: a probe that passed once is not run again
+        blas.activate()
+    except blas.BlasSettingError as exc:
+        return PreflightReport(refusal=exc.reason, fix=exc.fix)
     watchdog = getattr(config.training, "watchdog", None)
     if watchdog is True:
         return PreflightReport(refusal="training.watchdog: true, but the mlx backend runs only the "

@@ -52,6 +52,12 @@ def installed() -> ProbeResult:
 
 def device_computes() -> ProbeResult:
     """Deep: the default MLX device runs a matmul and gives the right answer; names the device."""
+    from soup_plugin_mlx import blas
+
+    try:
+        choice = blas.activate()
+    except blas.BlasSettingError as exc:
+        return ProbeResult(False, exc.reason, exc.fix)
     try:
         import mlx.core as mx
     except Exception as exc:  # noqa: BLE001 - a broken install must read as a failed probe
@@ -61,11 +67,14 @@ def device_computes() -> ProbeResult:
     mx.eval(got)
     if not bool(mx.all(got == 8.0).item()):
         return ProbeResult(False, f"the MLX device {device} computed a wrong matmul", INSTALL)
-    return ProbeResult(True, detail=f"checked: {describe_device()} computes")
+    return ProbeResult(True, detail=f"checked: {describe_device()} computes; matmuls on {choice.name}")
 
 
 def describe_device() -> str:
     """The device MLX trains on, in words (``cpu (AMD EPYC)``, ``gpu (Apple M2)``)."""
+    from soup_plugin_mlx import blas
+
+    blas.activate()
     import mlx.core as mx
 
     device = mx.default_device()

@@ -35,7 +35,7 @@ from soup_core import MicroBatch, OptimizerStep, ProgressLine, Rollback, SetCoef
 from soup_core import micro_batches as core_micro_batches
 from soup_core.default_plugins.sft import encode_rows
 from soup_core.io import record_output, write_failure
-from soup_plugin_mlx import adapters
+from soup_plugin_mlx import adapters, blas
 from soup_plugin_mlx.errors import BACKEND_NAME, MLXBackendError
 from soup_plugin_mlx.model import make_trainable
 from soup_plugin_mlx.optim import AdamW, clip_by_global_norm
@@ -117,6 +117,9 @@ class MLXRun:
         t = config.training
         self._check()
         resume_state = read_trainer_state(ctx.resume_from) if ctx.resume_from else None
+        self.blas = blas.activate()  # decided before mlx was imported (MLXBackend.train); read here
+        if mx.default_device().type == mx.cpu:
+            self.say(self.blas.line())
         seed = int(t.seed)
         mx.random.seed(seed)
         loaded = ctx.load_model()
@@ -257,6 +260,7 @@ class MLXRun:
             "tokens_per_second": self.tokens_seen / self.train_seconds if self.train_seconds else None,
             "peak_memory_bytes": self.peak_memory,
             "device": describe_device(),
+            "cpu_blas": self.blas.name,
             "dtype": self.info["dtype"],
         }
 
