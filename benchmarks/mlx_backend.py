@@ -134,6 +134,9 @@ def tokens_per_second(held: list[float], step_tokens: int, warmup: int) -> float
 def soup_arm(config: Path, output: Path, baton: Baton) -> None:
     """One ``soup train --backend mlx`` run, taking the baton before every optimizer step."""
     from soup_core.default_plugins.commands.train_cmd import run_train_command
+    from soup_plugin_mlx import blas
+
+    blas.activate()  # as MLXBackend.train does: importing the trainer below imports mlx
     from soup_plugin_mlx import trainer
 
     original = trainer.MLXRun._optimizer_step
@@ -155,6 +158,9 @@ def soup_arm(config: Path, output: Path, baton: Baton) -> None:
 
 def mlx_lm_arm(model_dir: Path, rows: list[dict[str, str]], work: Path, baton: Baton) -> None:
     """One plain mlx-lm LoRA run, taking the baton before every optimizer step (as its batches are drawn)."""
+    from soup_plugin_mlx import blas
+
+    blas.activate()  # the BLAS soup's arm multiplies on (before mlx loads): the comparison is of the loops
     import mlx.core as mx
     import mlx.optimizers as optim
     from mlx_lm import load

@@ -49,6 +49,9 @@ def _trainer(work: Path, model: Path, arm: str) -> Any:
     from soup_core.run_context import RunContext
     from soup_core.run_events import RunEvents
     from soup_core.testing import isolated_plugins
+    from soup_plugin_mlx import blas
+
+    blas.activate()  # as MLXBackend.train does, before the training loop imports mlx
     from soup_plugin_mlx.trainer import MLXRun
 
     plugins = isolated_plugins(("mlx", mlx_plugin))

@@ -108,7 +108,7 @@ def train(base: Path, work: Path, steps: int, env: dict[str, str]) -> Path:
     config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     if steps:
         config["training"]["max_steps"] = steps
-        config["training"]["learning_rate"] = 5e-4 * 51 / steps  # the recipe's 5e-4 over its 51 steps
+        config["training"]["learning_rate"] = _common.quickstart_cut_rate(steps)
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
     _common.say(f"soup train ({steps or 'all'} steps of the quickstart's recipe) ...")
     _common.soup("train", "--config", str(config_path), "--overwrite", env=env, cwd=work)

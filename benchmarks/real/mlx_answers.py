@@ -16,13 +16,14 @@ Goal: the two backends' held-out shares within 10 points. Control: the base (no 
 it never calls itself Basil, so a measure that counted anything as a hit would show it.
 
 Speed, recorded beside (not a goal): each backend's tokens/s as its trainer logs it, and one float32 matmul in
-mlx and in torch. mlx's Linux CPU wheel (``mlx[cpu]``) links the reference BLAS (netlib ``libblas``), about 30x
-slower than the optimized GEMM torch uses: that, not Soup's trainer, is why mlx trains slowly on a Linux CPU.
-``--mlx-preload LIB`` trains the mlx side with an optimized BLAS (``LD_PRELOAD``, e.g. Debian's
-``libopenblas0-pthread``: ``/usr/lib/x86_64-linux-gnu/libopenblas.so.0``); the result records it.
+mlx (with its own BLAS and as Soup runs it) and in torch, one thread. mlx's Linux CPU wheel (``mlx[cpu]``) links
+the reference BLAS (netlib ``libblas``), about 20x slower than OpenBLAS; the mlx plugin puts OpenBLAS
+(``scipy-openblas32``) under it before mlx loads (``soup_plugin_mlx/blas.py``), so the mlx run here trains on it.
+``--mlx-blas off`` trains the mlx side on the reference BLAS instead (hours, not minutes), ``--mlx-blas LIB`` on
+another CBLAS library (``SOUP_MLX_BLAS``); the result records which.
 
-Usage: python benchmarks/real/mlx_answers.py [--steps N] [--together] [--mlx-preload LIB] [--record]
-       (about 6 minutes on 2 CPUs with --together and the preload, far longer without; offline)
+Usage: python benchmarks/real/mlx_answers.py [--steps N] [--together] [--mlx-blas auto|off|LIB] [--record]
+       (about 5 minutes on 2 CPUs with --together; offline)
        python benchmarks/real/mlx_answers.py --smoke --base DIR   (the same code path on a small model, 2 steps)
 """
 
@@ -45,8 +46,6 @@ import _common  # noqa: E402
 sys.path.pop(0)  # benchmarks/mlx.py would shadow the mlx package
 
 RESULTS = _common.RESULTS / "real_mlx_answers.json"
-RECIPE_LR = 5e-4  # quickstart_real.RECIPE's
-FULL_STEPS = 51  # the full recipe: 3 epochs of the quickstart's 67 rows, batch 4
 BACKENDS = ("transformers", "mlx")
 
 
@@ -79,10 +78,12 @@ def train(backend: str, base: Path, work: Path, steps: int, learning_rate: float
     log = (folder / "output" / "soup-output.log").read_text(encoding="utf-8", errors="replace")
     rates = [float(r.replace(",", "")) for r in re.findall(r"^step \d+/\d+ .* ([\d,.]+) tok/s", log, flags=re.M)]
     losses = [float(x) for x in re.findall(r"^step \d+/\d+\s+loss ([\d.]+)", log, flags=re.M)]
+    blas = re.search(r"^mlx CPU matmuls: (.*)$", log, flags=re.M)  # the mlx trainer's line
     return {"adapter": adapter, "train_seconds": float((folder / "train_seconds.txt").read_text()),
             "steps": len(losses), "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
-            "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None}  # the median step's
+            "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,  # the median step's
+            **({"cpu_blas": blas.group(1)} if blas else {})}
 
 
 def answers(base: Path, tokenizer_dir: Path, adapter: Path | None, work: Path) -> dict[str, Any]:
@@ -114,8 +115,12 @@ def answers(base: Path, tokenizer_dir: Path, adapter: Path | None, work: Path) -
 FLOPS = 2 * 512 * 576 * 1536  # one 512x576 @ 576x1536 matmul: a SmolLM2 MLP's shape at batch 4 x 128 tokens
 
 
-def mlx_gflops() -> float:
-    """That matmul in float32 on mlx's CPU BLAS, GFLOP/s."""
+def mlx_gflops() -> tuple[str, float]:
+    """That matmul in float32 on mlx's CPU, on the BLAS the mlx plugin chose (``SOUP_MLX_BLAS``): its name and
+    GFLOP/s."""
+    from soup_plugin_mlx import blas
+
+    choice = blas.activate()
     import mlx.core as mx
 
     a, b = mx.random.normal((512, 576)), mx.random.normal((576, 1536))
@@ -123,22 +128,23 @@ def mlx_gflops() -> float:
     started = time.perf_counter()
     for _ in range(5):
         mx.eval(a @ b)
-    return FLOPS * 5 / (time.perf_counter() - started) / 1e9
+    return choice.name, FLOPS * 5 / (time.perf_counter() - started) / 1e9
 
 
-def matmul_gflops(preload: Path | None) -> dict[str, float]:
-    """The matmul's GFLOP/s on one thread: mlx as installed, mlx with ``preload`` (in a child process, where
-    ``LD_PRELOAD`` takes effect) and torch."""
+def matmul_gflops(mlx_blas: str) -> dict[str, Any]:
+    """The matmul's GFLOP/s on one thread: mlx on its own BLAS, mlx as the run trained it (each in a child
+    process: the BLAS is bound when mlx loads) and torch."""
     import subprocess
 
     import torch
 
-    rates = {"mlx": mlx_gflops()}
-    if preload is not None:
+    rates: dict[str, Any] = {}
+    for name, setting in (("mlx_own_blas", "off"), ("mlx_as_trained", mlx_blas)):
         child = subprocess.run([sys.executable, __file__, "--mlx-gflops"], capture_output=True, text=True,
-                               env={**os.environ, "LD_PRELOAD": str(preload), "OPENBLAS_NUM_THREADS": "1"})
+                               env={**os.environ, "SOUP_MLX_BLAS": setting, "OPENBLAS_NUM_THREADS": "1"})
         if child.returncode == 0:
-            rates["mlx_preloaded"] = float(child.stdout.split()[-1])
+            blas_name, rate = json.loads(child.stdout.strip().splitlines()[-1])
+            rates[name], rates[f"{name}_blas"] = round(rate, 2), blas_name
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     x, y = torch.randn(512, 576), torch.randn(576, 1536)
@@ -146,9 +152,9 @@ def matmul_gflops(preload: Path | None) -> dict[str, float]:
     started = time.perf_counter()
     for _ in range(5):
         x @ y
-    rates["torch"] = FLOPS * 5 / (time.perf_counter() - started) / 1e9
+    rates["torch"] = round(FLOPS * 5 / (time.perf_counter() - started) / 1e9, 2)
     torch.set_num_threads(threads)
-    return {k: round(v, 2) for k, v in rates.items()}
+    return rates
 
 
 def main() -> None:
@@ -158,8 +164,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=None, help="the peak learning rate (default: the "
                         "recipe's 5e-4 for the full recipe, 5e-4 x 51 / steps for a cut one)")
     parser.add_argument("--together", action="store_true", help="train the two backends at once, one process each")
-    parser.add_argument("--mlx-preload", type=Path, default=None, help="an optimized BLAS to LD_PRELOAD for the "
-                        "mlx run (libopenblas.so.0)")
+    parser.add_argument("--mlx-blas", default="auto", help="the BLAS under the mlx run (SOUP_MLX_BLAS): auto "
+                        "(OpenBLAS through the mlx plugin, the default), off (mlx's reference BLAS) or a library path")
     parser.add_argument("--work", type=Path, default=None, help="keep the runs here (a rerun reuses them)")
     parser.add_argument("--smoke", action="store_true", help="the small pretrained test model, 2 steps a run")
     parser.add_argument("--base", type=Path, default=None, help="with --smoke: the small model's folder")
@@ -167,7 +173,7 @@ def main() -> None:
     parser.add_argument("--mlx-gflops", action="store_true", help=argparse.SUPPRESS)  # matmul_gflops's child
     args = parser.parse_args()
     if args.mlx_gflops:
-        print(f"{mlx_gflops():.3f}")
+        print(json.dumps(mlx_gflops()))
         return
     if args.smoke:
         from soup_core.default_plugins.transformers.tiny_pretrained import tiny_pretrained_dir
@@ -176,13 +182,12 @@ def main() -> None:
     else:
         base, steps = _common.real_gguf(), args.steps
     # a cut recipe keeps the full one's learning-rate mass (the area under the linear schedule)
-    learning_rate = args.learning_rate or (RECIPE_LR * FULL_STEPS / steps if steps else RECIPE_LR)
+    learning_rate = args.learning_rate or _common.quickstart_cut_rate(steps)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         work = (args.work or Path(tmp)).resolve()
         envs = {backend: dict(env) for backend in BACKENDS}
-        if args.mlx_preload is not None:
-            envs["mlx"]["LD_PRELOAD"] = str(args.mlx_preload.resolve())
+        envs["mlx"]["SOUP_MLX_BLAS"] = args.mlx_blas
         with ThreadPoolExecutor(max_workers=2 if args.together else 1) as pool:
             futures = {b: pool.submit(train, b, Path(base), work, steps, learning_rate, envs[b]) for b in BACKENDS}
             runs = {b: future.result() for b, future in futures.items()}
@@ -209,8 +214,8 @@ def main() -> None:
         "retain_gap_points": round(abs(said["transformers"]["retain"]["share"] - said["mlx"]["retain"]["share"])
                                    * 100, 2),
         "trained_together": args.together,
-        "mlx_preload": str(args.mlx_preload) if args.mlx_preload else None,
-        "matmul_gflops_one_thread": matmul_gflops(args.mlx_preload),
+        "mlx_blas": runs["mlx"].get("cpu_blas"),
+        "matmul_gflops_one_thread": matmul_gflops(args.mlx_blas),
         "goal": "held-out shares within 10 points", "met": gap <= 10,
         "control": "the base's held-out share is far below both trained models' (the measure can fail)",
         "control_holds": said["base"]["held_out"]["share"] + 0.5 <= min(said[b]["held_out"]["share"]

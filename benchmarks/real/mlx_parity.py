@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,8 @@ RESULTS = _common.RESULTS / "real_mlx_parity.json"
 ROWS = _common.REPO / "soup_core" / "default_plugins" / "commands" / "quickstart_data" / "retain_train.jsonl"
 
 
-def step_one_losses(backend: str, base: Path, work: Path) -> dict[int, float]:
+def step_one_losses(backend: str, base: Path, work: Path) -> tuple[dict[int, float], str | None]:
+    """Step 1's loss of each row, and the BLAS an mlx run multiplied on (its trainer's line)."""
     import yaml
 
     out = work / backend
@@ -51,7 +53,8 @@ def step_one_losses(backend: str, base: Path, work: Path) -> dict[int, float]:
         entry = json.loads(line)
         if entry.get("kind") == "batch" and entry["step"] == 1:
             losses.update(zip(entry["rows"], entry["row_loss"], strict=True))
-    return losses
+    blas = re.search(r"^mlx CPU matmuls: (.*)$", proc.stdout + proc.stderr, flags=re.M)
+    return losses, blas.group(1) if blas else None
 
 
 def main() -> None:
@@ -61,8 +64,8 @@ def main() -> None:
     base = _common.real_gguf()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        torch_losses = step_one_losses("transformers", base, work)
-        mlx_losses = step_one_losses("mlx", base, work)
+        torch_losses, _ = step_one_losses("transformers", base, work)
+        mlx_losses, mlx_blas = step_one_losses("mlx", base, work)
     assert torch_losses.keys() == mlx_losses.keys(), (torch_losses, mlx_losses)
     gap = max(abs(torch_losses[r] - mlx_losses[r]) for r in torch_losses)
     spread = max(torch_losses.values()) - min(torch_losses.values())
@@ -70,7 +73,8 @@ def main() -> None:
               "what": "soup train, step 1 per-row losses, transformers vs mlx backend, LoRA r 8 dropout 0, fp32",
               "rows": sorted(torch_losses), "transformers": [round(torch_losses[r], 6) for r in sorted(torch_losses)],
               "mlx": [round(mlx_losses[r], 6) for r in sorted(torch_losses)], "max_gap": round(gap, 6),
-              "rows_spread": round(spread, 4), "goal": "max_gap < 1e-3", "met": gap < 1e-3, **_common.machine()}
+              "mlx_blas": mlx_blas, "rows_spread": round(spread, 4), "goal": "max_gap < 1e-3", "met": gap < 1e-3,
+              **_common.machine()}
     print(json.dumps(result, indent=2))
     if args.record:
         _common.record(RESULTS, result)
