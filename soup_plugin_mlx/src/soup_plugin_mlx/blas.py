@@ -153,7 +153,7 @@ def _load_named(path: Path) -> BlasChoice:
 def cached_shim(openblas: Path) -> Path:
     """The shim for ``openblas`` in Soup's cache, built on first use. Raises OSError when it cannot be built
     (no C compiler, a failed compile, an unwritable cache)."""
-    from soup_core.tracker.store import soup_home
+    from soup_core import soup_home
 
     key = hashlib.sha256(f"{openblas.resolve()}\n{SHIM_SOURCE}".encode()).hexdigest()[:16]
     shim = soup_home() / "cache" / "mlx-blas" / key / SHIM_NAME
