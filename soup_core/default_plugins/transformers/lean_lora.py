@@ -58,7 +58,9 @@ class _DropDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, positions = ctx.saved_tensors
-        # linear's backward as autograd runs it for a [.., in] input (matmul folded to mm): the same mm calls;
+        # linear's backward as autograd runs it for a [.., in] input (matmul folded to mm): the same mm calls,
+        # operands in the same order (the weight's grad is grad^T @ input, as mm's backward computes it for a
+        # transposed weight: (input^T @ grad)^T is the same sum, but AVX-512 kernels round it differently);
         # then mul's backward, grad * noise, and the dropped input x * noise rebuilt as the forward made it
         flat = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
@@ -67,7 +69,7 @@ class _DropDown(torch.autograd.Function):
             drop(grad_x, positions, ctx.p, out=grad_x)
         if ctx.needs_input_grad[1]:
             dropped = drop(x, positions, ctx.p).reshape(-1, x.shape[-1])
-            grad_w = dropped.t().mm(flat).t()
+            grad_w = flat.t().mm(dropped)
         return grad_x, grad_w, None
 
 
