@@ -72,14 +72,14 @@ class BlasChoice:
     optimized: bool
     name: str  # in words: "OpenBLAS 0.3.34 (scipy-openblas32)"
     why: str = ""  # when not optimized on Linux: why not, for the run's log line
-    fix: str = FIX
+    fix: str = FIX  # empty where there is nothing to fix (the user turned it off)
     library: Path | None = None
 
     def line(self) -> str:
         """The run log's line about it."""
         if self.optimized or not self.why:
             return f"mlx CPU matmuls: {self.name}"
-        if self.why.startswith(ENV):  # the user's own choice: no fix to offer
+        if not self.fix:
             return f"mlx CPU matmuls: {self.name} ({self.why})"
         return f"mlx CPU matmuls: {self.name}, about 20x slower than OpenBLAS ({self.why}; fix: {self.fix})"
 
@@ -102,7 +102,7 @@ def _choose() -> BlasChoice:
     if not sys.platform.startswith("linux"):
         return BlasChoice(optimized=True, name="the platform's (Accelerate on macOS)")
     if setting.lower() in ("off", "none", "0", "false"):
-        return BlasChoice(optimized=False, name=STOCK, why=f"{ENV}={setting}")
+        return BlasChoice(optimized=False, name=STOCK, why=f"{ENV}={setting}", fix="")
     named = setting and setting.lower() != "auto"
     if "mlx.core" in sys.modules:
         if named:
