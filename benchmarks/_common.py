@@ -111,6 +111,13 @@ def quickstart_cut_rate(steps: int) -> float:
     return rate * full / steps if steps else rate
 
 
+def mlx_blas(output: str) -> str | None:
+    """What an mlx run's output (its log or its printed lines) says its CPU matmuls ran on: the mlx trainer's
+    ``mlx CPU matmuls: ...`` line (soup_plugin_mlx/blas.py), or None where there is none."""
+    found = re.search(r"^mlx CPU matmuls: (.*)$", output, flags=re.M)
+    return found.group(1) if found else None
+
+
 def real_folder() -> tuple[str, str]:
     """The real model dequantised to a float32 folder (built once, cached under SOUP_HOME), and its GGUF file's name."""
     from soup_core.default_plugins.transformers import resolve_base

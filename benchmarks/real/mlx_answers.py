@@ -78,12 +78,11 @@ def train(backend: str, base: Path, work: Path, steps: int, learning_rate: float
     log = (folder / "output" / "soup-output.log").read_text(encoding="utf-8", errors="replace")
     rates = [float(r.replace(",", "")) for r in re.findall(r"^step \d+/\d+ .* ([\d,.]+) tok/s", log, flags=re.M)]
     losses = [float(x) for x in re.findall(r"^step \d+/\d+\s+loss ([\d.]+)", log, flags=re.M)]
-    blas = re.search(r"^mlx CPU matmuls: (.*)$", log, flags=re.M)  # the mlx trainer's line
     return {"adapter": adapter, "train_seconds": float((folder / "train_seconds.txt").read_text()),
             "steps": len(losses), "first_loss": losses[0] if losses else None,
             "last_loss": losses[-1] if losses else None,
             "tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,  # the median step's
-            **({"cpu_blas": blas.group(1)} if blas else {})}
+            **({"cpu_blas": blas} if (blas := _common.mlx_blas(log)) else {})}
 
 
 def answers(base: Path, tokenizer_dir: Path, adapter: Path | None, work: Path) -> dict[str, Any]:

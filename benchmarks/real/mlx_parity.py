@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -53,8 +52,7 @@ def step_one_losses(backend: str, base: Path, work: Path) -> tuple[dict[int, flo
         entry = json.loads(line)
         if entry.get("kind") == "batch" and entry["step"] == 1:
             losses.update(zip(entry["rows"], entry["row_loss"], strict=True))
-    blas = re.search(r"^mlx CPU matmuls: (.*)$", proc.stdout + proc.stderr, flags=re.M)
-    return losses, blas.group(1) if blas else None
+    return losses, _common.mlx_blas(proc.stdout + proc.stderr)
 
 
 def main() -> None:
